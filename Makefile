@@ -1,0 +1,31 @@
+# Set-up and everyday commands. `make install` then `make test` is all a fresh clone needs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install test test-fast train tensorboard devices clean
+
+install: $(BIN)/python  ## create .venv and install the project with its dev tools
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e ".[dev]"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+test:  ## the whole suite, slow end-to-end tests included
+	$(BIN)/pytest
+
+test-fast:  ## everything but the end-to-end and multi-process tests
+	$(BIN)/pytest -m "not slow"
+
+train:  ## train the default model on the default data
+	$(BIN)/python train.py
+
+tensorboard:  ## inspect every run under logs/
+	$(BIN)/tensorboard --logdir logs
+
+devices:  ## what this machine offers and what the default trainer would pick
+	$(BIN)/python -m project.devices
+
+clean:  ## remove run outputs (not data, not .venv)
+	rm -rf logs outputs multirun lightning_logs .pytest_cache

@@ -1,0 +1,20 @@
+"""Test a checkpoint: `python eval.py ckpt_path=<run>/checkpoints/epoch_009.ckpt [data=...]`. See README.md."""
+
+import hydra
+from omegaconf import DictConfig
+
+from project.config import register
+from project.entry import run
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    from project.evaluate import evaluate
+
+    return run(evaluate, cfg)
+
+
+if __name__ == "__main__":
+    main()

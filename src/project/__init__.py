@@ -1,0 +1,1 @@
+"""A Lightning + Hydra template for training on one or many devices."""

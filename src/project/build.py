@@ -1,0 +1,82 @@
+"""Builds every component from its config node, checking each key against its `_target_` first.
+
+One place, one order (data, model, callbacks, loggers, trainer); components receive plain
+arguments, never the whole config. A bad key or value ends as a UserError naming the field.
+"""
+
+import difflib
+import inspect
+import os
+from typing import Any
+
+import hydra
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, ListConfig
+
+from project.errors import UserError
+
+_HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+def check_options(node: Any, where: str) -> None:
+    """Every key of a `_target_` node must be a parameter of its target: `max_epoch` fails here, by name."""
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            check_options(item, f"{where}[{i}]")
+        return
+    if not isinstance(node, DictConfig):
+        return
+    if "_target_" in node:
+        target = node._target_
+        try:
+            obj = hydra.utils.get_object(target)
+        except Exception as e:
+            raise UserError(f"{where}._target_: cannot import {target!r} ({e})") from e
+        try:
+            params = inspect.signature(obj).parameters
+        except (TypeError, ValueError):  # builtins without a signature: let instantiate judge
+            params = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            for key in node:
+                if key in _HYDRA_KEYS or key in params:
+                    continue
+                close = difflib.get_close_matches(str(key), list(params), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"its options are: {', '.join(params)}"
+                raise UserError(f"{where}.{key}: {target} has no option {key!r}; {hint}")
+    for key, value in node.items_ex(resolve=False):
+        check_options(value, f"{where}.{key}")
+
+
+def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
+    """hydra.utils.instantiate with the option check first and Hydra's multi-line errors folded into one."""
+    check_options(node, where)
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        cause = e.__cause__ if e.__cause__ is not None else e
+        message = " ".join(str(cause).split())
+        raise UserError(f"{where}: {type(cause).__name__}: {message}") from e
+
+
+def datamodule(cfg: DictConfig) -> Any:
+    return instantiate(cfg, "data")
+
+
+def model(cfg: DictConfig) -> Any:
+    return instantiate(cfg, "model")
+
+
+def callbacks(cfg: DictConfig | None) -> list[Any]:
+    """`callbacks` is a mapping name -> config, so each can be switched off: `~callbacks.early_stopping`."""
+    return [instantiate(node, f"callbacks.{name}") for name, node in (cfg or {}).items() if node is not None]
+
+
+def loggers(cfg: DictConfig | None) -> list[Any]:
+    return [instantiate(node, f"logger.{name}") for name, node in (cfg or {}).items() if node is not None]
+
+
+def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
+    # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
+    return instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)

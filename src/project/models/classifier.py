@@ -1,0 +1,91 @@
+"""The LightningModule: any image classification net, its loss, metrics and optimizer."""
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class ImageClassifier(L.LightningModule):
+    """Trains `net` (images -> logits) with cross-entropy; logs loss and accuracy per split.
+
+    `optimizer` and `scheduler` are factories (Hydra partials) so the config picks them.
+    Hyperparameters are not saved here: project.train stores the plain run config instead,
+    so every checkpoint loads with torch.load(weights_only=True) and can rebuild this module.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        scheduler: SchedulerFactory | None = None,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.criterion = nn.CrossEntropyLoss()
+        # One metric object per split: their states must not mix (val runs inside the train epoch).
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        x, y = batch
+        logits = self(x)
+        return self.criterion(logits, y), logits.argmax(dim=1), y
+
+    def on_train_start(self) -> None:
+        # The sanity-check validation ran on untrained weights: it must not count as the best.
+        self.val_acc_best.reset()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, preds, y = self._shared_step(batch)
+        self.train_loss(loss)
+        self.train_acc(preds, y)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, preds, y = self._shared_step(batch)
+        self.val_loss(loss)
+        self.val_acc(preds, y)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_acc_best(self.val_acc.compute())
+        best = self.val_acc_best.compute()
+        self.log("val/acc_best", best, sync_dist=True, prog_bar=True)
+        self.log("hp_metric", best, sync_dist=True)  # what TensorBoard's HParams tab shows per run
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, preds, y = self._shared_step(batch)
+        self.test_loss(loss)
+        self.test_acc(preds, y)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        config = {"scheduler": scheduler, "interval": "epoch"}
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            config["monitor"] = "val/loss"
+        return {"optimizer": optimizer, "lr_scheduler": config}

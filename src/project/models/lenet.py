@@ -1,0 +1,42 @@
+"""The classic LeNet-style CNN for small grey-scale images."""
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+
+class LeNet(nn.Module):
+    """Two conv-BN-ReLU-pool blocks and two linear layers; 28x28 input becomes 7x7 feature maps."""
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        channels: Sequence[int] = (32, 64),
+        hidden: int = 128,
+        dropout: float = 0.0,
+        image_size: int = 28,
+    ) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        c_in = in_channels
+        for c_out in channels:
+            blocks += [
+                nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, bias=False),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
+            c_in = c_out
+        self.features = nn.Sequential(*blocks)
+        side = image_size // 2 ** len(channels)
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(c_in * side * side, hidden),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))

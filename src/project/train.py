@@ -1,0 +1,48 @@
+"""The training task: build everything from the composed config, fit, then test the best checkpoint."""
+
+import json
+import logging
+from pathlib import Path
+
+import lightning.pytorch as L
+from omegaconf import DictConfig, OmegaConf
+
+from project import build, checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def write_metrics(trainer: L.Trainer, path: Path) -> dict[str, float]:
+    """The final scalar metrics as JSON (rank 0), so scripts need not parse TensorBoard files."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if trainer.is_global_zero:
+        path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    return metrics
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Returns the value of `cfg.optimized_metric` (for sweepers), or None when it was not logged."""
+    if cfg.seed is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    ckpt_path = str(checkpoints.check_readable(cfg.ckpt_path)) if cfg.ckpt_path else None
+
+    datamodule = build.datamodule(cfg.data)
+    model = build.model(cfg.model)
+    # The plain run config is the module's hyperparameters: TensorBoard shows it, and every checkpoint
+    # carries what rebuilds the model (project.checkpoints.load_model), loadable with weights_only=True.
+    model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
+    trainer = build.trainer(cfg.trainer, build.callbacks(cfg.callbacks), build.loggers(cfg.logger))
+
+    metrics: dict[str, float] = {}
+    if cfg.train:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "fit_metrics.json"))
+    if cfg.test:
+        best = trainer.checkpoint_callback.best_model_path if cfg.train and trainer.checkpoint_callback else ""
+        if cfg.train and not best:
+            log.warning("No checkpoint was saved; testing the weights as they are after training.")
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or (None if cfg.train else ckpt_path))
+        metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json"))
+        if best:
+            log.info("Tested %s", best)
+    return metrics.get(cfg.optimized_metric) if cfg.optimized_metric else None

@@ -1,0 +1,20 @@
+"""Train a model: `python train.py [group=option ...] [key=value ...]`. See README.md."""
+
+import hydra
+from omegaconf import DictConfig
+
+from project.config import register
+from project.entry import run
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from project.train import train  # torch and Lightning load only once a run really starts
+
+    return run(train, cfg)
+
+
+if __name__ == "__main__":
+    main()
