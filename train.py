@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from project.config import register
-from project.entry import run
+from project.entry import cli, run
 
 register()
 
@@ -17,4 +17,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

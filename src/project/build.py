@@ -6,7 +6,6 @@ arguments, never the whole config. A bad key or value ends as a UserError naming
 
 import difflib
 import inspect
-import os
 from typing import Any
 
 import hydra
@@ -53,8 +52,6 @@ def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
         cause = e.__cause__ if e.__cause__ is not None else e
         message = " ".join(str(cause).split())
         raise UserError(f"{where}: {type(cause).__name__}: {message}") from e

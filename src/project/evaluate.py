@@ -5,12 +5,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from project import build, checkpoints
+from project.config.schema import check_keys
 from project.train import write_metrics
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     import lightning.pytorch as L
 
+    check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     model, train_config = checkpoints.load_model(cfg.ckpt_path)

@@ -8,6 +8,7 @@ import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
 from project import build, checkpoints
+from project.config.schema import check_keys
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ def write_metrics(trainer: L.Trainer, path: Path) -> dict[str, float]:
 
 def train(cfg: DictConfig) -> float | None:
     """Returns the value of `cfg.optimized_metric` (for sweepers), or None when it was not logged."""
+    check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     ckpt_path = str(checkpoints.check_readable(cfg.ckpt_path)) if cfg.ckpt_path else None
@@ -43,6 +45,6 @@ def train(cfg: DictConfig) -> float | None:
             log.warning("No checkpoint was saved; testing the weights as they are after training.")
         trainer.test(model, datamodule=datamodule, ckpt_path=best or (None if cfg.train else ckpt_path))
         metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json"))
-        if best:
+        if best and trainer.is_global_zero:
             log.info("Tested %s", best)
     return metrics.get(cfg.optimized_metric) if cfg.optimized_metric else None

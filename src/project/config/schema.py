@@ -4,11 +4,13 @@ The groups (data, model, trainer, ...) are typed by their `_target_`; project.bu
 against the target's signature before anything is built.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from project.errors import UserError
 
 
 @dataclass
@@ -50,3 +52,18 @@ def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="eval_schema", node=EvalConfig)
+
+
+def check_keys(cfg: DictConfig, where: str = "") -> None:
+    """Reject keys a typed node does not declare. Hydra's `+key=value` adds them past the schema, yet no code reads them."""
+    schema = OmegaConf.get_type(cfg)
+    if not is_dataclass(schema):
+        return
+    declared = {f.name for f in fields(schema)}
+    for key in cfg:
+        path = f"{where}{key}"
+        if key not in declared:
+            raise UserError(f"{path}: not a known key here; known keys: {', '.join(sorted(declared))}")
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig):
+            check_keys(child, f"{path}.")

@@ -1,0 +1,50 @@
+"""Each network, and each model config trained through `train()` on the default data."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from project.models.lenet import LeNet
+from project.models.mlp import MLP
+from project.models.resnet import resnet18
+from project.train import train
+
+from conftest import REPO
+
+MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("net", [LeNet(), MLP(), resnet18()], ids=["lenet", "mlp", "resnet18"])
+def test_net_maps_digits_to_ten_logits_and_learns(net):
+    x, y = torch.randn(8, 1, 28, 28), torch.arange(8) % 10
+    assert net(x).shape == (8, 10)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_fast_dev_run_on_default_data(make_cfg, tmp_path, model):
+    train(make_cfg(f"model={model}", "debug=fdr", "trainer.accelerator=cpu"))
+    metrics = json.loads((tmp_path / "out" / "test_metrics.json").read_text())
+    assert 0.0 <= metrics["test/acc"] <= 1.0 and metrics["test/loss"] > 0
+
+
+def _test_loss(make_cfg, tmp_path: Path, seed: int) -> float:
+    train(make_cfg(f"seed={seed}", "model=mlp", "debug=limit", "trainer.max_epochs=1", "callbacks=none", "logger=none"))
+    return json.loads((tmp_path / "out" / "test_metrics.json").read_text())["test/loss"]
+
+
+def test_seed_zero_is_a_seed(make_cfg, tmp_path):
+    first, again = _test_loss(make_cfg, tmp_path, 0), _test_loss(make_cfg, tmp_path, 0)
+    other = _test_loss(make_cfg, tmp_path, 1)
+    assert first == again
+    assert first != other
