@@ -75,5 +75,7 @@ def loggers(cfg: DictConfig | None) -> list[Any]:
 
 
 def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
+    import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
+
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     return instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)

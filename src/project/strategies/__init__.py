@@ -1,0 +1,22 @@
+"""Strategies this project adds to Lightning's, registered by name so `trainer.strategy=<name>` works.
+
+- dp: DataParallel, removed from Lightning 2.0, rebuilt here (dp.py).
+- ddp, ddp_spawn: Lightning's, with sync_batchnorm that is skipped (not fatal) on CPU (ddp.py).
+- fsdp: FSDP2 through Lightning's ModelParallelStrategy, on CPU and GPU (fsdp.py); built by
+  project.build from the name, because Lightning reserves the string "fsdp" for its GPU-only FSDP1.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from project.strategies.ddp import DDPStrategy
+from project.strategies.dp import DataParallelStrategy
+
+
+def register() -> None:
+    """Idempotent: safe to call from every process and every test."""
+    DDPStrategy.register_strategies(StrategyRegistry)
+    StrategyRegistry.register("dp", DataParallelStrategy, description="DataParallel: one process, several GPUs",
+                              override=True)
+
+
+register()

@@ -1,0 +1,30 @@
+"""Lightning's DDP, registered under the same names, with sync_batchnorm that never breaks a CPU run."""
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+
+
+class DDPStrategy(LightningDDPStrategy):
+    """`trainer.sync_batchnorm=true` converts BatchNorm to SyncBatchNorm on CUDA, where it exists.
+
+    torch's SyncBatchNorm has no CPU kernel and DDP refuses it on CPU ("SyncBatchNorm layers only work
+    with GPU modules"), so on CPU (gloo) BatchNorm statistics stay per process, with a warning. The
+    check runs after `accelerator=auto` is resolved, so it holds under torchrun and SLURM too.
+    """
+
+    def setup(self, trainer: Any) -> None:
+        if self._layer_sync is not None and self.root_device.type != "cuda":
+            rank_zero_warn(
+                f"sync_batchnorm=True has no effect on {self.root_device.type}: SyncBatchNorm needs CUDA. "
+                "BatchNorm statistics stay per process."
+            )
+            self._layer_sync = None
+        super().setup(trainer)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("ddp", "popen"), ("ddp_spawn", "spawn")):
+            strategy_registry.register(name, cls, description=f"DDP ({start_method}), CPU-safe sync_batchnorm",
+                                       override=True, start_method=start_method)

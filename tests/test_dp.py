@@ -1,0 +1,90 @@
+"""strategy=dp: the scatter / per-replica step / reduce logic, on CPU through the simulated replica ops.
+
+On CPU torch's DataParallel does not replicate at all, so these tests drive the same strategy code
+with `simulated_ops()`: real shallow replicas (as torch's replicate makes them) run one after another.
+"""
+
+from functools import partial
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+from project.data.digits import DigitsDataModule
+from project.models.classifier import ImageClassifier
+from project.models.mlp import MLP
+from project.strategies.dp import DataParallelStrategy, _combine, _split, simulated_ops
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(strategy, devices: int):
+    L.seed_everything(0)
+    model = ImageClassifier(net=MLP(dropout=0.0), optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    losses = StepLosses()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, limit_train_batches=8,
+                        limit_val_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[losses])
+    trainer.fit(model, DigitsDataModule(batch_size=50))
+    return losses.losses, model.net.state_dict(), {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_dp_on_a_cpu_accelerator_is_refused_naming_ddp():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    import project.strategies  # noqa: F401
+
+    with pytest.raises(MisconfigurationException, match="trainer.strategy=ddp trainer.accelerator=cpu"):
+        L.Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
+
+
+def test_split_chunks_tensors_and_copies_the_rest():
+    x, y = torch.arange(10).view(5, 2), torch.arange(5)
+    parts = _split(((x, y), 7), 2)
+    assert [p[0][0].shape[0] for p in parts] == [3, 2]
+    assert torch.equal(torch.cat([p[0][1] for p in parts]), y)
+    assert [p[1] for p in parts] == [7, 7]
+    assert len(_split((torch.ones(1, 3), 0), 2)) == 1  # a batch smaller than the device count uses fewer
+
+
+def test_combine_weights_scalars_by_chunk_size_and_concatenates_batches():
+    root = torch.device("cpu")
+    losses = [torch.tensor(1.0), torch.tensor(4.0)]
+    assert _combine(losses, [3, 1], root).item() == pytest.approx(1.75)
+    out = _combine([{"loss": torch.tensor(2.0), "preds": torch.zeros(3)}, {"loss": torch.tensor(2.0), "preds": torch.ones(1)}], [3, 1], root)
+    assert out["loss"].item() == 2.0 and out["preds"].tolist() == [0, 0, 0, 1]
+
+
+def test_dp_with_two_replicas_trains_exactly_like_one_device():
+    single_losses, single_weights, single_metrics = fit("auto", 1)
+    dp_losses, dp_weights, dp_metrics = fit(DataParallelStrategy(ops=simulated_ops()), 2)
+    assert len(dp_losses) == len(single_losses) == 16
+    torch.testing.assert_close(torch.tensor(dp_losses), torch.tensor(single_losses), atol=1e-5, rtol=0)
+    for name, weight in single_weights.items():
+        torch.testing.assert_close(dp_weights[name], weight, atol=1e-5, rtol=0)
+    # metrics logged inside the replicas (torchmetrics objects) come out as on one device
+    for key in ("train/acc", "train/loss_epoch", "val/acc", "val/loss", "val/acc_best"):
+        assert dp_metrics[key] == pytest.approx(single_metrics[key], abs=1e-5), key
+
+
+def test_uneven_chunks_still_give_the_full_batch_loss():
+    # 50 samples per batch over 3 replicas: chunks of 17, 17, 16
+    single_losses, _, _ = fit("auto", 1)
+    dp_losses, _, _ = fit(DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3)
+    torch.testing.assert_close(torch.tensor(dp_losses), torch.tensor(single_losses), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_dp_on_two_gpus_trains_like_one():
+    single_losses, _, single_metrics = fit("auto", 1)
+    # same module and data on 2 real GPUs through torch's replicate/parallel_apply
+    L.seed_everything(0)
+    dp_losses, _, dp_metrics = fit("dp", 2)
+    torch.testing.assert_close(torch.tensor(dp_losses), torch.tensor(single_losses), atol=1e-4, rtol=0)
+    assert dp_metrics["val/acc"] == pytest.approx(single_metrics["val/acc"], abs=1e-3)
