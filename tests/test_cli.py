@@ -31,6 +31,8 @@ def test_help_lists_groups_without_importing_torch():
         ("model=lenett", "Could not find 'model/lenett'"),
         ("+trainer.max_epoch=3", "trainer.max_epoch: lightning.pytorch.Trainer has no option 'max_epoch'; did you mean 'max_epochs'?"),
         ("ckpt_path=/no/such.ckpt", "ckpt_path=/no/such.ckpt: no such file"),
+        pytest.param("trainer=dp", "On CPU use trainer.strategy=ddp trainer.accelerator=cpu",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="dp runs where CUDA is")),
     ],
 )
 def test_bad_input_is_one_error_line_and_no_output(cli, tmp_path, override, expected):

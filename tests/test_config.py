@@ -31,7 +31,8 @@ def test_option_composes_and_builds(make_cfg, group, option):
     model = build.model(cfg.model)
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     callbacks, loggers = build.callbacks(cfg.callbacks), build.loggers(cfg.logger)
-    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+    needs_gpu = cfg.trainer.accelerator == "gpu" or cfg.trainer.strategy == "dp"
+    if needs_gpu and not torch.cuda.is_available():
         with pytest.raises(UserError, match="trainer: .*(CUDA|GPU|gpu)"):
             build.trainer(cfg.trainer, callbacks, loggers)
         return
