@@ -29,16 +29,27 @@ class CountingDigits(DigitsDataModule):
 
 
 class ShardProbe(L.Callback):
-    """Per rank: the fingerprints of every training sample, per epoch, in order; and the final metrics."""
+    """Per rank: the fingerprints of every training sample, per epoch, in order; the final metrics; and the
+    seed of the config this rank runs. Writes rank<r>.json, or seed<s>_rank<r>.json in sweeps.
 
-    def __init__(self) -> None:
+    $PROBE_FAIL_SEED=<s>: rank 1 of the run with that seed crashes in its third training step.
+    """
+
+    def __init__(self, per_seed: bool = False) -> None:
         self.seen: dict[int, list[str]] = {}
+        self.per_seed = per_seed
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         images, _ = batch
         self.seen.setdefault(trainer.current_epoch, []).extend(fingerprint(x) for x in images)
+        seed = pl_module.hparams.get("seed")
+        if trainer.global_rank == 1 and batch_idx == 2 and str(seed) == os.environ.get("PROBE_FAIL_SEED"):
+            raise RuntimeError(f"probe: rank 1 of the seed={seed} job fails on purpose")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        out = {"rank": trainer.global_rank, "world_size": trainer.world_size, "seen": self.seen, "metrics": metrics}
-        (probe_dir() / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+        seed = pl_module.hparams.get("seed")
+        out = {"rank": trainer.global_rank, "world_size": trainer.world_size, "seed": seed, "seen": self.seen,
+               "metrics": metrics}
+        name = f"seed{seed}_rank{trainer.global_rank}" if self.per_seed else f"rank{trainer.global_rank}"
+        (probe_dir() / f"{name}.json").write_text(json.dumps(out))

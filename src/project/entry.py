@@ -12,6 +12,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.errors import UserError
@@ -46,15 +47,19 @@ def _composition_error(e: CompactHydraException) -> str:
 
 
 def cli(hydra_main: Callable[[], Any]) -> None:
-    """Run a @hydra.main function so that config mistakes print one line and exit 2 (not 7 lines and 1)."""
+    """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
+    from project.multirun import ENTRY_SCRIPT
+
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
+    os.environ.setdefault(ENTRY_SCRIPT, os.path.abspath(sys.argv[0]))
     try:
         hydra_main()
-    except CompactHydraException as e:
+    except (CompactHydraException, UserError) as e:  # UserError arrives here from a failed sweep job
         if _full_error():
             raise
-        print(f"error: {_composition_error(e)}", file=sys.stderr)
+        message = _composition_error(e) if isinstance(e, CompactHydraException) else str(e)
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -76,15 +81,19 @@ def _one_console_output() -> None:
 
 
 def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
-    """Call `task(cfg)`; a UserError becomes `error: ...` on stderr, exit code 2, and no leftover run dir."""
+    """Call `task(cfg)`; a UserError leaves no run dir behind and becomes `error: ...` on stderr with exit
+    code 2. In a sweep it fails this job only: Hydra records it, runs the other jobs, and reports at the end."""
     _one_console_output()
     try:
         return task(cfg)
     except UserError as e:
         if _full_error():
             raise
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        hc = HydraConfig.get()
+        run_dir = Path(hc.runtime.output_dir)
         if run_dir.is_dir() and _only_bookkeeping(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
+        if hc.mode == RunMode.MULTIRUN:
+            raise
         raise SystemExit(2) from None

@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
-from project import build, checkpoints
+from project import build, checkpoints, multirun
 from project.config.schema import check_keys
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ def train(cfg: DictConfig) -> float | None:
     # carries what rebuilds the model (project.checkpoints.load_model), loadable with weights_only=True.
     model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
     trainer = build.trainer(cfg.trainer, build.callbacks(cfg.callbacks), build.loggers(cfg.logger))
+    if multirun.is_multirun() and multirun.launches_rank_scripts(trainer):
+        return multirun.run_job_in_fresh_process(cfg.optimized_metric)
 
     metrics: dict[str, float] = {}
     if cfg.train:

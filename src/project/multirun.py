@@ -1,0 +1,70 @@
+"""Sweep jobs whose trainer launches rank processes each run as a fresh, single `train.py` run.
+
+Lightning's DDP launcher starts ranks 1..N-1 by re-running the script with the original argv. Inside
+a Hydra sweep that argv is the whole sweep (`-m seed=1,2`), so each child runs every job of the sweep
+on its own, in a second sweep dir; the parent also keeps LOCAL_RANK and a live process group into the
+next job, which then launches nothing (Lightning #11300, hydra #2070). Running such a job as its own
+process, `train.py <this job's overrides> hydra.run.dir=<this job's dir>`, hands the launcher the
+single-run case it handles correctly, keeps jobs apart, and turns a crashed rank into a failed job
+instead of a killed sweep. Works for any sweeper (basic, Optuna) and launcher (local, joblib).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from project.errors import UserError
+
+# The script the user started (train.py), recorded by entry.cli: sweep workers may run under another argv[0].
+ENTRY_SCRIPT = "PROJECT_ENTRY_SCRIPT"
+
+
+def is_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def launches_rank_scripts(trainer: Any) -> bool:
+    """True when fit would re-run the script for other ranks (ddp, fsdp; not ddp_spawn, not torchrun/SLURM)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = trainer.strategy.launcher
+    return isinstance(launcher, _SubprocessScriptLauncher) and not launcher.cluster_environment.creates_processes_externally
+
+
+def job_command() -> list[str]:
+    """This sweep job as a single run: same config sources and overrides, writing into the job's dir."""
+    hc = HydraConfig.get()
+    script = os.environ.get(ENTRY_SCRIPT) or os.path.join(hc.runtime.cwd, sys.argv[0])
+    cmd = [sys.executable, script, "--config-name", hc.job.config_name]
+    for source in hc.runtime.config_sources:
+        if source.provider == "main":
+            cmd += ["--config-path", source.path.removeprefix("file://")]
+        elif source.provider == "command-line":
+            cmd += ["--config-dir", source.path.removeprefix("file://")]
+    return cmd + [
+        *hc.overrides.task,
+        f"hydra.run.dir={hc.runtime.output_dir}",
+        "hydra.output_subdir=null",  # the sweep already saved this job's .hydra/
+        f"hydra.job.name={hc.job.name}",
+    ]
+
+
+def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
+    """Run this job as its own process; return its `optimized_metric` for the sweeper."""
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    proc = subprocess.run(job_command(), cwd=hc.runtime.cwd, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise UserError(f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "
+                        f"its error is printed above")
+    metrics: dict[str, float] = {}
+    for name in ("fit_metrics.json", "test_metrics.json"):
+        if (run_dir / name).is_file():
+            metrics.update(json.loads((run_dir / name).read_text()))
+    return metrics.get(optimized_metric) if optimized_metric else None

@@ -1,0 +1,64 @@
+"""Hydra multirun (-m) sweeps, with DDP inside each job."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TESTS
+
+pytestmark = pytest.mark.slow
+
+DDP_JOB = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "model=mlp", "debug=limit",
+           "+callbacks.probe._target_=probes.ShardProbe", "+callbacks.probe.per_seed=true"]
+
+
+def sweep(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    probe = tmp_path / "probe"
+    probe.mkdir(exist_ok=True)
+    cmd = [sys.executable, "train.py", "-m", f"paths.log_dir={tmp_path / 'logs'}", *overrides]
+    full_env = {**__import__("os").environ, "PYTHONPATH": str(TESTS), "PROBE_DIR": str(probe), **(env or {})}
+    # timeout: a hang (a rank waiting forever for a dead peer) fails the test instead of the CI job
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=full_env)
+
+
+def sweep_dirs(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "logs" / "train" / "multiruns").glob("*"))
+
+
+def test_basic_sweep_runs_every_combination(tmp_path):
+    proc = sweep(tmp_path, "model=mlp,lenet", "debug=fdr")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (root,) = sweep_dirs(tmp_path)
+    jobs = sorted(p for p in root.iterdir() if p.is_dir())
+    assert [j.name for j in jobs] == ["0", "1"]
+    for job, model in zip(jobs, ("mlp", "lenet")):
+        assert f"model={model}" in (job / ".hydra" / "overrides.yaml").read_text()
+        assert (job / "test_metrics.json").is_file()
+
+
+def test_ddp_sweep_runs_each_jobs_config_on_all_its_ranks(tmp_path):
+    proc = sweep(tmp_path, *DDP_JOB, "seed=1,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (root,) = sweep_dirs(tmp_path)  # one sweep dir: no rank re-ran the sweep on its own
+    for num, seed in (("0", 1), ("1", 2)):
+        job = root / num
+        assert (job / "checkpoints" / "last.ckpt").is_file() and (job / "test_metrics.json").is_file()
+        assert json.loads((job / "fit_metrics.json").read_text())["val/acc"] > 0
+        ranks = [json.loads((tmp_path / "probe" / f"seed{seed}_rank{r}.json").read_text()) for r in (0, 1)]
+        assert [r["seed"] for r in ranks] == [seed, seed] and [r["world_size"] for r in ranks] == [2, 2]
+        assert not set(ranks[0]["seen"]["0"]) & set(ranks[1]["seen"]["0"])
+    assert sorted(p.name for p in (tmp_path / "probe").iterdir()) == [
+        "seed1_rank0.json", "seed1_rank1.json", "seed2_rank0.json", "seed2_rank1.json"]
+
+
+def test_a_crashing_rank_fails_its_job_and_the_sweep_goes_on(tmp_path):
+    proc = sweep(tmp_path, *DDP_JOB, "seed=1,2", env={"PROBE_FAIL_SEED": "1"})
+    assert proc.returncode == 2
+    assert "error: sweep job 0 (" in proc.stderr and "seed=1" in proc.stderr
+    (root,) = sweep_dirs(tmp_path)
+    assert not (root / "0" / "test_metrics.json").exists()
+    assert (root / "1" / "test_metrics.json").is_file()  # the next job ran to the end
+    assert (tmp_path / "probe" / "seed2_rank1.json").is_file()
