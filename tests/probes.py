@@ -49,7 +49,8 @@ class ShardProbe(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         seed = pl_module.hparams.get("seed")
-        out = {"rank": trainer.global_rank, "world_size": trainer.world_size, "seed": seed, "seen": self.seen,
-               "metrics": metrics}
+        out = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
+               "environment": type(trainer.strategy.cluster_environment).__name__, "seed": seed,
+               "seen": self.seen, "metrics": metrics}
         name = f"seed{seed}_rank{trainer.global_rank}" if self.per_seed else f"rank{trainer.global_rank}"
         (probe_dir() / f"{name}.json").write_text(json.dumps(out))

@@ -12,6 +12,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, ListConfig
 
+from project import launchers
 from project.errors import UserError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -77,5 +78,6 @@ def loggers(cfg: DictConfig | None) -> list[Any]:
 def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
 
+    launchers.check(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     return instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)

@@ -1,8 +1,11 @@
 """OmegaConf resolvers used by conf/."""
 
 import os
+from datetime import datetime
 
 from omegaconf import OmegaConf
+
+from project import launchers
 
 
 def unique_dir(path: str) -> str:
@@ -20,6 +23,16 @@ def unique_dir(path: str) -> str:
             candidate = f"{path}_{n}"
 
 
+def run_dir(parent: str) -> str:
+    """`parent/<start time>` (made unique), or, for ranks started by torchrun or srun, a name they share."""
+    name = launchers.shared_run_name()
+    if name is None:
+        return unique_dir(os.path.join(parent, datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+    path = os.path.join(parent, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("unique_dir"):
-        OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True)
+    if not OmegaConf.has_resolver("run_dir"):
+        OmegaConf.register_new_resolver("run_dir", run_dir, use_cache=True)

@@ -1,0 +1,146 @@
+"""Ranks started outside Lightning: torchrun, several "nodes" on localhost, SLURM's srun (faked)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from project import launchers
+from project.errors import UserError
+
+from conftest import REPO, TESTS, run_dirs
+
+RUN = ["trainer=ddp", "trainer.accelerator=cpu", "model=mlp", "debug=limit", "~callbacks.early_stopping",
+       "+callbacks.probe._target_=probes.ShardProbe"]
+SLURM_VARS = ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES",
+              "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in SLURM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_shared_run_name_comes_from_the_launcher(clean_env):
+    assert launchers.shared_run_name() is None
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert launchers.shared_run_name() == "torchrun_abc"
+    clean_env.delenv("TORCHELASTIC_RUN_ID")
+    clean_env.setenv("SLURM_NTASKS", "4")
+    clean_env.setenv("SLURM_JOB_ID", "77")
+    clean_env.setenv("SLURM_JOB_NAME", "train")
+    assert launchers.shared_run_name() == "slurm_77"
+    clean_env.setenv("SLURM_STEP_ID", "2")
+    assert launchers.shared_run_name() == "slurm_77_2"
+    clean_env.setenv("SLURM_JOB_NAME", "bash")  # an interactive allocation: not a launch
+    assert launchers.shared_run_name() is None
+
+
+def test_devices_must_match_what_the_launcher_started(clean_env):
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
+    clean_env.setenv("WORLD_SIZE", "4")
+    launchers.check(2, 2, "ddp")
+    launchers.check("auto", 1, "ddp")
+    with pytest.raises(UserError, match=r"torchrun started 4 processes, but trainer.devices=2 x trainer.num_nodes=1"):
+        launchers.check(2, 1, "ddp")
+    with pytest.raises(UserError, match="use trainer.strategy=ddp"):
+        launchers.check(4, 1, "ddp_spawn")
+    clean_env.delenv("TORCHELASTIC_RUN_ID")
+    for k, v in {"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "t", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2"}.items():
+        clean_env.setenv(k, v)
+    launchers.check(4, 2, "ddp")
+    with pytest.raises(UserError, match="--ntasks-per-node=2"):
+        launchers.check(2, 2, "ddp")
+    with pytest.raises(UserError, match="trainer.num_nodes=2"):
+        launchers.check(4, 1, "ddp")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict) -> subprocess.Popen:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    full.update(PYTHONPATH=str(TESTS), **env)
+    return subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs: list[subprocess.Popen]) -> list[str]:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def ranks(probe: Path) -> list[dict]:
+    return [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def assert_two_ranks_split_the_data(probe: Path) -> list[dict]:
+    seen = ranks(probe)
+    assert sorted(p.name for p in probe.iterdir()) == ["rank0.json", "rank1.json"]  # no third process
+    assert [r["world_size"] for r in seen] == [2, 2]
+    assert not set(seen[0]["seen"]["0"]) & set(seen[1]["seen"]["0"])
+    assert seen[0]["metrics"]["val/acc"] == seen[1]["metrics"]["val/acc"]
+    return seen
+
+
+@pytest.mark.slow
+def test_torchrun_starts_the_ranks_and_lightning_launches_none(tmp_path):
+    probe, logs = tmp_path / "probe", tmp_path / "logs"
+    probe.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           f"paths.log_dir={logs}", "trainer.devices=2", *RUN]
+    finish([start(cmd, {"PROBE_DIR": str(probe)})])
+    seen = assert_two_ranks_split_the_data(probe)
+    assert {r["environment"] for r in seen} == {"TorchElasticEnvironment"}
+    (run,) = run_dirs(logs)
+    assert run.name.startswith("torchrun_") and (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_torchrun_with_the_wrong_device_count_stops_with_the_fix(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           f"paths.log_dir={tmp_path / 'logs'}", "trainer.devices=1", *RUN]
+    proc = start(cmd, {"PROBE_DIR": str(tmp_path)})
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0
+    assert "error: torchrun started 2 processes, but trainer.devices=1 x trainer.num_nodes=1 = 1" in out
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_one_process_each(tmp_path):
+    probe, run = tmp_path / "probe", tmp_path / "shared_run"
+    probe.mkdir()
+    port = str(free_port())
+    procs = [start([sys.executable, "train.py", f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
+                   {"PROBE_DIR": str(probe), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)})
+             for node in (0, 1)]
+    finish(procs)
+    seen = assert_two_ranks_split_the_data(probe)
+    assert [r["node_rank"] for r in seen] == [0, 1]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_srun_tasks_are_the_ranks_under_faked_slurm(tmp_path):
+    probe, logs = tmp_path / "probe", tmp_path / "logs"
+    probe.mkdir()
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+             "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PROBE_DIR": str(probe)}
+    procs = [start([sys.executable, "train.py", f"paths.log_dir={logs}", "trainer.devices=2", *RUN],
+                   {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)]
+    finish(procs)
+    seen = assert_two_ranks_split_the_data(probe)
+    assert {r["environment"] for r in seen} == {"SLURMEnvironment"}
+    (run,) = run_dirs(logs)
+    assert run.name == "slurm_4242_0" and (run / "checkpoints" / "last.ckpt").is_file()
