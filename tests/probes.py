@@ -49,7 +49,9 @@ class ShardProbe(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         seed = pl_module.hparams.get("seed")
-        out = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.parameters())
+        out = {"local_params": local, "params": sum(p.numel() for p in pl_module.parameters()),
+               "rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
                "environment": type(trainer.strategy.cluster_environment).__name__, "seed": seed,
                "seen": self.seen, "metrics": metrics}
         name = f"seed{seed}_rank{trainer.global_rank}" if self.per_seed else f"rank{trainer.global_rank}"

@@ -79,5 +79,11 @@ def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
 
     launchers.check(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
+    overrides: dict[str, Any] = {}
+    if cfg.get("strategy") == "fsdp":
+        # Lightning maps the name to its GPU-only FSDP1; ours is FSDP2 everywhere (project.strategies.fsdp).
+        from project.strategies.fsdp import FSDPStrategy
+
+        overrides["strategy"] = FSDPStrategy()
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
-    return instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)
+    return instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)

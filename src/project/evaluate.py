@@ -6,6 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from project import build, checkpoints
 from project.config.schema import check_keys
+from project.errors import UserError
 from project.train import write_metrics
 
 
@@ -15,9 +16,16 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    model, train_config = checkpoints.load_model(cfg.ckpt_path)
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    path = checkpoints.check_readable(cfg.ckpt_path)
+    model, train_config = checkpoints.load_model(str(path))
     data_cfg = cfg.data if cfg.data is not None else OmegaConf.create(train_config["data"])
     datamodule = build.datamodule(data_cfg)
     trainer = build.trainer(cfg.trainer, [], build.loggers(cfg.logger))
-    trainer.test(model, datamodule=datamodule)
+    sharded = checkpoints.is_sharded(path)
+    if sharded and not isinstance(trainer.strategy, ModelParallelStrategy):
+        raise UserError(f"ckpt_path={cfg.ckpt_path} is sharded (written by strategy=fsdp): evaluate it with trainer=fsdp "
+                        "(any number of devices; the shards are redistributed)")
+    trainer.test(model, datamodule=datamodule, ckpt_path=str(path) if sharded else None)
     return write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json")

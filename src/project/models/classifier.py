@@ -27,9 +27,11 @@ class ImageClassifier(L.LightningModule):
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
         num_classes: int = 10,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         self.net = net
+        self.compile_net = compile
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.criterion = nn.CrossEntropyLoss()
@@ -42,6 +44,26 @@ class ImageClassifier(L.LightningModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+    def configure_model(self) -> None:
+        """Shard the net when the strategy provides a device mesh (fsdp), then compile it if asked.
+
+        Lightning calls this for every fit/validate/test, so it must be idempotent.
+        """
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.device_mesh is not None and not isinstance(self.net, FSDPModule):
+            mesh = self.device_mesh["data_parallel"]
+            # One FSDP unit per layer with weights: only the layer being computed is ever whole.
+            for module in list(self.net.modules())[1:]:
+                if any(True for _ in module.parameters(recurse=False)):
+                    fully_shard(module, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+        if self.compile_net and not getattr(self, "_compiled", False):
+            # Module.compile() compiles forward in place: state_dict keys stay the same, so checkpoints
+            # load with or without compile.
+            self.net.compile(**({"backend": self.compile_net} if isinstance(self.compile_net, str) else {}))
+            self._compiled = True
 
     def _shared_step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         x, y = batch

@@ -1,0 +1,33 @@
+"""`trainer.strategy=fsdp`: FSDP2 (torch's `fully_shard`) through Lightning's ModelParallelStrategy.
+
+Each process keeps 1/N of every parameter, gradient and optimizer state; a layer's full weights are
+gathered only while it computes. Lightning's own "fsdp" (FSDPStrategy) wraps FSDP1, which PyTorch is
+retiring, and refuses CPU; FSDP2 runs the same code on CUDA (NCCL) and CPU (gloo), so the CPU tests
+cover the GPU path. The model opts in: ImageClassifier.configure_model shards the net when the
+strategy hands it a device mesh.
+
+Checkpoints are directories of shards (torch.distributed.checkpoint) by default, written by all ranks
+in parallel and loadable at another world size; `save_distributed_checkpoint=false` gathers one
+ordinary file on rank 0 instead (needs the whole model in CPU memory there).
+"""
+
+from datetime import timedelta
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.constants import default_pg_timeout
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Pure data-parallel sharding: the device mesh is one dimension over all N processes."""
+
+    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's "auto" makes the mesh nodes x devices (devices for tensor parallelism);
+        # for FSDP every process is a data-parallel shard, or two ranks would get the same batches.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()

@@ -1,0 +1,54 @@
+"""strategy=fsdp (FSDP2) with 2 CPU processes: sharded training, sharded checkpoints, resume and eval."""
+
+import json
+
+import pytest
+import torch
+
+from project import build
+from project.strategies.fsdp import FSDPStrategy
+
+from conftest import run_dirs
+
+FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "model=mlp", "debug=limit", "~callbacks.early_stopping"]
+
+
+def test_the_strategy_name_fsdp_builds_fsdp2_on_any_trainer(make_cfg):
+    cfg = make_cfg("trainer.strategy=fsdp", "trainer.devices=2", "trainer.accelerator=cpu")
+    trainer = build.trainer(cfg.trainer, [], [])
+    assert isinstance(trainer.strategy, FSDPStrategy)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    cli("train.py", *FSDP, "+callbacks.probe._target_=probes.ShardProbe", env={"PROBE_DIR": str(probe)})
+    (run,) = run_dirs(tmp_path / "logs")
+
+    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:  # each rank holds about half of every parameter
+        assert r["world_size"] == 2 and r["local_params"] < 0.6 * r["params"]
+    assert not set(ranks[0]["seen"]["0"]) & set(ranks[1]["seen"]["0"])  # and sees its own data
+
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2 and (last / "meta.pt").is_file()
+    meta = torch.load(last / "meta.pt", weights_only=True)
+    assert meta["epoch"] == 2 and meta["hyper_parameters"]["trainer"]["strategy"]["_target_"].endswith("FSDPStrategy")
+
+    resumed_logs = tmp_path / "resumed"
+    cli("train.py", *FSDP, f"ckpt_path={last}", "trainer.max_epochs=4", log_dir=resumed_logs)
+    (resumed,) = run_dirs(resumed_logs)
+    meta2 = torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
+    assert meta2["epoch"] == 3 and meta2["global_step"] == meta["global_step"] + meta["global_step"] // 3
+
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    eval_logs = tmp_path / "eval"
+    cli("eval.py", f"ckpt_path={best}", "trainer=fsdp", "trainer.accelerator=cpu", "+trainer.limit_test_batches=2",
+        log_dir=eval_logs)
+    (evaluated,) = run_dirs(eval_logs, task="eval")
+    assert json.loads((evaluated / "test_metrics.json").read_text())["test/acc"] == \
+        json.loads((run / "test_metrics.json").read_text())["test/acc"]
+
+    refused = cli("eval.py", f"ckpt_path={best}", check=False, log_dir=eval_logs)
+    assert refused.returncode == 2 and "evaluate it with trainer=fsdp" in refused.stderr
