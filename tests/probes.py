@@ -56,3 +56,22 @@ class ShardProbe(L.Callback):
                "seen": self.seen, "metrics": metrics}
         name = f"seed{seed}_rank{trainer.global_rank}" if self.per_seed else f"rank{trainer.global_rank}"
         (probe_dir() / f"{name}.json").write_text(json.dumps(out))
+
+
+class EquivalenceProbe(L.Callback):
+    """Rank 0 writes the loss of every step averaged over all ranks (the global-batch loss) and the
+    final full weights (FSDP shards gathered) to $PROBE_DIR/losses.json and weights.pt."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                 for k, v in pl_module.net.state_dict().items()}
+        if trainer.is_global_zero:
+            (probe_dir() / "losses.json").write_text(json.dumps(self.losses))
+            torch.save(state, probe_dir() / "weights.pt")
