@@ -14,7 +14,7 @@ from project.train import train
 
 from conftest import REPO
 
-GROUPS = ["data", "model", "trainer", "callbacks", "logger", "paths", "debug", "experiment"]
+GROUPS = ["data", "model", "trainer", "precision", "callbacks", "logger", "paths", "debug", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((REPO / "conf" / g).glob("*.yaml"))]
 
 
@@ -31,9 +31,9 @@ def test_option_composes_and_builds(make_cfg, group, option):
     model = build.model(cfg.model)
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     callbacks, loggers = build.callbacks(cfg.callbacks), build.loggers(cfg.logger)
-    needs_gpu = cfg.trainer.accelerator == "gpu" or cfg.trainer.strategy == "dp"
+    needs_gpu = cfg.trainer.accelerator == "gpu" or cfg.trainer.strategy == "dp" or cfg.trainer.precision == "16-mixed"
     if needs_gpu and not torch.cuda.is_available():
-        with pytest.raises(UserError, match="trainer: .*(CUDA|GPU|gpu)"):
+        with pytest.raises(UserError, match="trainer.*(CUDA|GPU|gpu)"):
             build.trainer(cfg.trainer, callbacks, loggers)
         return
     trainer = build.trainer(cfg.trainer, callbacks, loggers)

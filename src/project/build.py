@@ -86,4 +86,9 @@ def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
 
         overrides["strategy"] = FSDPStrategy()
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
-    return instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
+    built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
+    if str(cfg.get("precision")) in ("16", "16-mixed") and built.strategy.root_device.type != "cuda":
+        # Lightning would quietly switch to bf16-mixed: a different experiment than the one asked for.
+        raise UserError(f"trainer.precision={cfg.precision} needs a CUDA GPU (loss-scaled float16); "
+                        f"on {built.strategy.root_device.type} use precision=bf16_mixed")
+    return built

@@ -213,6 +213,12 @@ class DataParallelStrategy(ParallelStrategy):
         self.ops = ops
         self._launcher = None
 
+    def setup(self, trainer: Any) -> None:
+        if len(self.parallel_devices) > 1 and any(getattr(m, "_compiled_call_impl", None) for m in self.lightning_module.modules()):
+            # A compiled forward is bound to the root module: every replica would run the root's weights.
+            raise MisconfigurationException("model.compile does not work with strategy=dp; use ddp, or model.compile=false")
+        super().setup(trainer)
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
