@@ -1,6 +1,8 @@
 """Test-only instruments for the DDP CLI test: they write what each rank saw into $PROBE_DIR."""
 
 import hashlib
+import signal
+import time
 import json
 import os
 from pathlib import Path
@@ -75,3 +77,13 @@ class EquivalenceProbe(L.Callback):
         if trainer.is_global_zero:
             (probe_dir() / "losses.json").write_text(json.dumps(self.losses))
             torch.save(state, probe_dir() / "weights.pt")
+
+
+class PreemptionProbe(L.Callback):
+    """At the start of epoch 1 of a run that did not resume, send this process SIGUSR1: what SLURM
+    sends before preemption or timeout (#SBATCH --signal=SIGUSR1@90)."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1 and trainer.ckpt_path is None:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(30)  # SLURM ends the job after the requeue; here the fake scontrol does

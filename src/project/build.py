@@ -85,6 +85,12 @@ def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
         from project.strategies.fsdp import FSDPStrategy
 
         overrides["strategy"] = FSDPStrategy()
+    if launchers.submitit_slurm() and not cfg.get("plugins"):
+        # One party requeues: submitit does (its USR2 handler resubmits the job, which then resumes from
+        # <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off.
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        overrides["plugins"] = [SLURMEnvironment(auto_requeue=False)]
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
     if str(cfg.get("precision")) in ("16", "16-mixed") and built.strategy.root_device.type != "cuda":

@@ -57,3 +57,16 @@ def load_model(path: str) -> tuple[Any, dict]:
     if not is_sharded(p):
         model.load_state_dict(ckpt["state_dict"])
     return model, config
+
+
+def resume_point(run_dir: Path) -> str | None:
+    """The checkpoint a restarted run continues from, when its own directory already has one.
+
+    That happens only when a run is started again in the same directory: a SLURM requeue (Lightning then
+    finds its hpc_ckpt_*.ckpt itself, and we stay out of its way), a submitit resubmission, or a user
+    pointing hydra.run.dir at an interrupted run.
+    """
+    if any(run_dir.glob("hpc_ckpt_*.ckpt")):
+        return None
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return str(last) if last.exists() else None

@@ -20,6 +20,11 @@ def slurm() -> bool:
     return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
+def submitit_slurm() -> bool:
+    """A job started by submitit (hydra/launcher=slurm). submitit handles preemption and requeue itself."""
+    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+
+
 def shared_run_name() -> str | None:
     """A run-dir name every process of one launch computes alike, or None when we launch the ranks ourselves.
 

@@ -26,7 +26,10 @@ def train(cfg: DictConfig) -> float | None:
     check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = str(checkpoints.check_readable(cfg.ckpt_path)) if cfg.ckpt_path else None
+    ckpt_path = cfg.ckpt_path or checkpoints.resume_point(Path(cfg.paths.output_dir))
+    if ckpt_path:
+        ckpt_path = str(checkpoints.check_readable(ckpt_path))
+        log.info("Resuming from %s", ckpt_path)
 
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)

@@ -1,0 +1,104 @@
+"""SLURM: the submitit launcher config, and requeue on preemption handled by exactly one party."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from project import build
+from project.checkpoints import resume_point
+
+from conftest import REPO, TESTS
+
+SLURM_ENV = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0",
+             "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"}
+
+
+def test_slurm_launcher_asks_for_one_task_per_device_on_each_node():
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.tasks_per_node, launcher.nodes, launcher.gpus_per_node) == (4, 2, 4)
+
+
+@pytest.mark.parametrize(("submitit", "lightning_requeues"), [(False, True), (True, False)])
+def test_only_one_party_requeues(make_cfg, monkeypatch, submitit, lightning_requeues):
+    for key, value in SLURM_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if submitit:
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    else:
+        monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    cfg = make_cfg("trainer.accelerator=cpu")
+    # where Lightning's signal connector looks when it decides whether to install its SIGUSR1 handler
+    environment = build.trainer(cfg.trainer, [], [])._accelerator_connector.cluster_environment
+    assert type(environment).__name__ == "SLURMEnvironment"
+    assert environment.auto_requeue is lightning_requeues
+
+
+def test_a_restarted_run_resumes_from_its_own_last_checkpoint(tmp_path):
+    assert resume_point(tmp_path) is None
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert resume_point(tmp_path) == str(tmp_path / "checkpoints" / "last.ckpt")
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"")  # Lightning's requeue checkpoint: Lightning restores it
+    assert resume_point(tmp_path) is None
+
+
+def slurm_job(tmp_path: Path, extra_env: dict) -> subprocess.CompletedProcess:
+    """One (fake) SLURM job step: train 3 epochs, preempted with SIGUSR1 at epoch 1 unless it resumed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC"))}
+    env.update(SLURM_ENV, PYTHONPATH=str(TESTS), PATH=f"{tmp_path / 'bin'}:{env['PATH']}",
+               REQUEUE_LOG=str(tmp_path / "requeue.log"), **extra_env)
+    cmd = [sys.executable, "train.py", f"paths.log_dir={tmp_path / 'logs'}", "trainer.accelerator=cpu", "model=mlp",
+           "debug=limit", "~callbacks.early_stopping", "+callbacks.preempt._target_=probes.PreemptionProbe"]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path):
+    """`scontrol requeue <job>` records the call and ends the job, as SLURM would."""
+    (tmp_path / "bin").mkdir()
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "$@" >> "$REQUEUE_LOG"\nkill -9 $PPID\n')
+    scontrol.chmod(0o755)
+    return tmp_path / "requeue.log"
+
+
+@pytest.mark.slow
+def test_plain_slurm_job_lightning_requeues_and_the_requeued_job_resumes(tmp_path, fake_scontrol):
+    first = slurm_job(tmp_path, {})
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert fake_scontrol.read_text().split() == ["requeue", "99"]
+    run = tmp_path / "logs" / "train" / "runs" / "slurm_99_0"  # stable across the requeue
+    assert (run / "hpc_ckpt_1.ckpt").is_file()
+
+    second = slurm_job(tmp_path, {})  # SLURM starts the same job again
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {run / 'hpc_ckpt_1.ckpt'}" in second.stdout + second.stderr
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 2
+    assert fake_scontrol.read_text().split() == ["requeue", "99"]  # requeued once
+
+
+@pytest.mark.slow
+def test_submitit_job_lightning_stays_out_and_the_resubmitted_job_resumes(tmp_path, fake_scontrol):
+    first = slurm_job(tmp_path, {"SUBMITIT_EXECUTOR": "slurm"})
+    # no Lightning handler: SIGUSR1 ends the process (submitit's own handler listens on USR2)
+    assert first.returncode == -signal.SIGUSR1
+    run = tmp_path / "logs" / "train" / "runs" / "slurm_99_0"
+    assert not fake_scontrol.exists() and not list(run.glob("hpc_ckpt_*"))
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
+
+    second = slurm_job(tmp_path, {"SUBMITIT_EXECUTOR": "slurm"})  # submitit resubmits the same job
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Resuming from {run / 'checkpoints' / 'last.ckpt'}" in second.stdout + second.stderr
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 2
