@@ -66,13 +66,13 @@ def test_run_dir_holds_config_checkpoints_and_tensorboard_events(trained):
     assert (trained / ".hydra" / "config.yaml").is_file()
     ckpts = {p.name for p in (trained / "checkpoints").iterdir()}
     assert "last.ckpt" in ckpts and any(n.startswith("epoch_") for n in ckpts)
-    scalars, hparams = set(), False
+    scalars, hparams_tags = set(), set()
     for events in (trained / "tensorboard").glob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events)).Reload()
         scalars |= set(acc.Tags()["scalars"])
-        hparams |= "hparams" in acc.summary_metadata.get("_hparams_/experiment", "").__repr__() or bool(acc.PluginTagToContent("hparams"))
+        hparams_tags |= set(acc.PluginTagToContent("hparams"))  # what TensorBoard's HParams tab reads
     assert {"train/loss_step", "train/loss_epoch", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/acc", "test/loss"} <= scalars
-    assert hparams, "no HParams summary in the event files"
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hparams_tags
 
 
 def test_checkpoints_hold_only_plain_data(trained):
@@ -105,6 +105,23 @@ def test_resume_continues_at_the_next_epoch(cli, tmp_path, trained):
     with open(run / "csv" / "metrics.csv") as f:
         epochs = {int(row["epoch"]) for row in csv.DictReader(f) if row["val/acc"]}
     assert epochs == {done_epochs, done_epochs + 1}
+    # the best validation accuracy so far is part of the checkpoint: it does not restart at the resume
+    before = json.loads((trained / "fit_metrics.json").read_text())["val/acc_best"]
+    assert json.loads((run / "fit_metrics.json").read_text())["val/acc_best"] >= before
+
+
+def test_resuming_with_another_network_is_refused_by_name(cli, tmp_path, trained):
+    proc = cli("train.py", f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", "model=mlp", check=False)
+    assert proc.returncode == 2
+    assert "was trained with model.net=" in proc.stderr and "resume with the checkpoint's model config" in proc.stderr
+
+
+def test_a_failed_start_leaves_a_dir_the_user_named_alone(cli, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.log").write_text("keep me")
+    proc = cli("train.py", f"hydra.run.dir={mine}", "+foo=1", check=False)
+    assert proc.returncode == 2 and (mine / "notes.log").read_text() == "keep me"
 
 
 def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_path):

@@ -26,11 +26,13 @@ def test_every_group_has_options():
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_builds(make_cfg, group, option):
     cfg = make_cfg(f"{group}={option}")
+    if cfg.trainer.devices not in (1, "auto") and cfg.trainer.strategy != "dp" and torch.cuda.device_count() < 2:
+        cfg.trainer.accelerator = "cpu"  # multi-device options build on CPU processes where GPUs are too few
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
-    callbacks, loggers = build.callbacks(cfg.callbacks), build.loggers(cfg.logger)
+    callbacks, loggers = build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger")
     needs_gpu = cfg.trainer.accelerator == "gpu" or cfg.trainer.strategy == "dp" or cfg.trainer.precision == "16-mixed"
     if needs_gpu and not torch.cuda.is_available():
         with pytest.raises(UserError, match="trainer.*(CUDA|GPU|gpu)"):

@@ -13,6 +13,9 @@ import torch
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torchmetrics import Metric
+
 from project.strategies.dp import DataParallelStrategy, _combine, _split, simulated_ops
 
 
@@ -24,11 +27,49 @@ class StepLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(strategy, devices: int):
+class LabelSum(Metric):
+    """A custom metric left at torchmetrics' default full_state_update (None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, labels: torch.Tensor) -> None:
+        self.total += labels.float().sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total
+
+
+class LogsEverything(ImageClassifier):
+    """Logs what replicas must combine: sums, maxima, a custom metric, one metric under two names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.label_sum = LabelSum()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        _, labels = batch
+        self.log("seen", float(len(labels)), reduce_fx="sum", on_step=True, on_epoch=False)
+        self.log("max_label", labels.max().float(), reduce_fx="max", on_step=True, on_epoch=False)
+        self.label_sum(labels)
+        self.log("label_sum", self.label_sum, on_step=False, on_epoch=True)
+        self.log("train/acc_again", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+
+class LogsPerChunk(ImageClassifier):
+    def training_step(self, batch, batch_idx):
+        self.log(f"chunk_of_{len(batch[1])}", 1.0)
+        return super().training_step(batch, batch_idx)
+
+
+def fit(strategy, devices: int, module: type = ImageClassifier, accelerator: str = "cpu"):
     L.seed_everything(0)
-    model = ImageClassifier(net=MLP(dropout=0.0), optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    model = module(net=MLP(dropout=0.0), optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
     losses = StepLosses()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, limit_train_batches=8,
+    trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, max_epochs=2, limit_train_batches=8,
                         limit_val_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[losses])
     trainer.fit(model, DigitsDataModule(batch_size=50))
@@ -36,8 +77,6 @@ def fit(strategy, devices: int):
 
 
 def test_dp_on_a_cpu_accelerator_is_refused_naming_ddp():
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
     import project.strategies  # noqa: F401
 
     with pytest.raises(MisconfigurationException, match="trainer.strategy=ddp trainer.accelerator=cpu"):
@@ -80,11 +119,25 @@ def test_uneven_chunks_still_give_the_full_batch_loss():
     torch.testing.assert_close(torch.tensor(dp_losses), torch.tensor(single_losses), atol=1e-5, rtol=0)
 
 
+def test_values_metrics_and_custom_metrics_logged_in_replicas_combine_exactly():
+    _, _, single = fit("auto", 1, LogsEverything)
+    _, _, dp = fit(DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3,
+                   LogsEverything)
+    assert dp["seen"] == single["seen"] == 50  # summed over the replicas' chunks, not averaged
+    for key in ("max_label", "label_sum", "train/acc_again", "train/acc"):
+        assert dp[key] == pytest.approx(single[key], abs=1e-5), key
+
+
+def test_replicas_that_log_different_keys_are_an_error_not_a_silent_mix():
+    with pytest.raises(MisconfigurationException, match="replicas logged different keys"):
+        fit(DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3, LogsPerChunk)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_dp_on_two_gpus_trains_like_one():
-    single_losses, _, single_metrics = fit("auto", 1)
-    # same module and data on 2 real GPUs through torch's replicate/parallel_apply
-    L.seed_everything(0)
-    dp_losses, _, dp_metrics = fit("dp", 2)
+    # the same module and data on 2 real GPUs, through torch's replicate/parallel_apply
+    single_losses, _, single_metrics = fit("auto", 1, accelerator="gpu")
+    dp_losses, _, dp_metrics = fit("dp", 2, LogsEverything, accelerator="gpu")
     torch.testing.assert_close(torch.tensor(dp_losses), torch.tensor(single_losses), atol=1e-4, rtol=0)
     assert dp_metrics["val/acc"] == pytest.approx(single_metrics["val/acc"], abs=1e-3)
+    assert dp_metrics["seen"] == 50

@@ -44,11 +44,21 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
 
     (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
     eval_logs = tmp_path / "eval"
-    cli("eval.py", f"ckpt_path={best}", "trainer=fsdp", "trainer.accelerator=cpu", "+trainer.limit_test_batches=2",
-        log_dir=eval_logs)
+    # at 1 device: the shards are redistributed; 4 batches of 64 are the same 256 test digits as 2 x 2 x 64
+    cli("eval.py", f"ckpt_path={best}", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
+        "+trainer.limit_test_batches=4", log_dir=eval_logs)
     (evaluated,) = run_dirs(eval_logs, task="eval")
     assert json.loads((evaluated / "test_metrics.json").read_text())["test/acc"] == \
         json.loads((run / "test_metrics.json").read_text())["test/acc"]
 
     refused = cli("eval.py", f"ckpt_path={best}", check=False, log_dir=eval_logs)
     assert refused.returncode == 2 and "evaluate it with trainer=fsdp" in refused.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_with_bf16_mixed_trains_on_two_processes(cli, tmp_path):
+    cli("train.py", *FSDP, "precision=bf16_mixed", "test=false")
+    (run,) = run_dirs(tmp_path / "logs")
+    meta = torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
+    assert meta["hyper_parameters"]["trainer"]["precision"] == "bf16-mixed"
+    assert 0.5 < json.loads((run / "fit_metrics.json").read_text())["val/acc"] <= 1.0

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from project import build
 from project.checkpoints import resume_point
+from project.errors import UserError
 
 from conftest import REPO, TESTS
 
@@ -45,13 +46,20 @@ def test_only_one_party_requeues(make_cfg, monkeypatch, submitit, lightning_requ
     assert environment.auto_requeue is lightning_requeues
 
 
-def test_a_restarted_run_resumes_from_its_own_last_checkpoint(tmp_path):
-    assert resume_point(tmp_path) is None
+def test_only_a_restarted_job_resumes_from_its_own_dir(tmp_path):
+    assert resume_point(tmp_path, restarted=False) is None
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
-    assert resume_point(tmp_path) == str(tmp_path / "checkpoints" / "last.ckpt")
+    torch.save({"epoch": 1}, tmp_path / "checkpoints" / "epoch_001.ckpt")
+    torch.save({"epoch": 2}, tmp_path / "checkpoints" / "last.ckpt")
+    assert resume_point(tmp_path, restarted=True) == str(tmp_path / "checkpoints" / "last.ckpt")
+    # a new run in a reused dir (same --rdzv-id, same job id) must not continue someone else's run
+    with pytest.raises(UserError, match="already holds checkpoints of an earlier run: to continue it pass ckpt_path="):
+        resume_point(tmp_path, restarted=False)
+    # the job was killed while writing last.ckpt: continue from the newest readable one
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"PK\x03\x04 torn")
+    assert resume_point(tmp_path, restarted=True) == str(tmp_path / "checkpoints" / "epoch_001.ckpt")
     (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"")  # Lightning's requeue checkpoint: Lightning restores it
-    assert resume_point(tmp_path) is None
+    assert resume_point(tmp_path, restarted=True) is None
 
 
 def slurm_job(tmp_path: Path, extra_env: dict) -> subprocess.CompletedProcess:
@@ -82,7 +90,7 @@ def test_plain_slurm_job_lightning_requeues_and_the_requeued_job_resumes(tmp_pat
     run = tmp_path / "logs" / "train" / "runs" / "slurm_99_0"  # stable across the requeue
     assert (run / "hpc_ckpt_1.ckpt").is_file()
 
-    second = slurm_job(tmp_path, {})  # SLURM starts the same job again
+    second = slurm_job(tmp_path, {"SLURM_RESTART_COUNT": "1"})  # SLURM starts the same job again
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"Restoring states from the checkpoint path at {run / 'hpc_ckpt_1.ckpt'}" in second.stdout + second.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 2
@@ -98,7 +106,7 @@ def test_submitit_job_lightning_stays_out_and_the_resubmitted_job_resumes(tmp_pa
     assert not fake_scontrol.exists() and not list(run.glob("hpc_ckpt_*"))
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
 
-    second = slurm_job(tmp_path, {"SUBMITIT_EXECUTOR": "slurm"})  # submitit resubmits the same job
+    second = slurm_job(tmp_path, {"SUBMITIT_EXECUTOR": "slurm", "SLURM_RESTART_COUNT": "1"})  # resubmitted
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"Resuming from {run / 'checkpoints' / 'last.ckpt'}" in second.stdout + second.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 2

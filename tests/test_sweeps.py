@@ -1,6 +1,7 @@
 """Hydra multirun (-m) sweeps, with DDP inside each job."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ def sweep(tmp_path: Path, *overrides: str, env: dict | None = None) -> subproces
     probe = tmp_path / "probe"
     probe.mkdir(exist_ok=True)
     cmd = [sys.executable, "train.py", "-m", f"paths.log_dir={tmp_path / 'logs'}", *overrides]
-    full_env = {**__import__("os").environ, "PYTHONPATH": str(TESTS), "PROBE_DIR": str(probe), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(TESTS), "PROBE_DIR": str(probe), **(env or {})}
     # timeout: a hang (a rank waiting forever for a dead peer) fails the test instead of the CI job
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=full_env)
 
@@ -60,5 +61,6 @@ def test_a_crashing_rank_fails_its_job_and_the_sweep_goes_on(tmp_path):
     assert "error: sweep job 0 (" in proc.stderr and "seed=1" in proc.stderr
     (root,) = sweep_dirs(tmp_path)
     assert not (root / "0" / "test_metrics.json").exists()
+    assert (root / "0" / ".hydra" / "overrides.yaml").is_file()  # the failed job stays inspectable
     assert (root / "1" / "test_metrics.json").is_file()  # the next job ran to the end
     assert (tmp_path / "probe" / "seed2_rank1.json").is_file()

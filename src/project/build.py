@@ -12,7 +12,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, ListConfig
 
-from project import launchers
+from project import cluster
 from project.errors import UserError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -59,42 +59,53 @@ def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
 
 
 def datamodule(cfg: DictConfig) -> Any:
+    """The LightningDataModule of `data`."""
     return instantiate(cfg, "data")
 
 
 def model(cfg: DictConfig) -> Any:
+    """The LightningModule of `model`, its net, optimizer and scheduler factories inside."""
     return instantiate(cfg, "model")
 
 
-def callbacks(cfg: DictConfig | None) -> list[Any]:
-    """`callbacks` is a mapping name -> config, so each can be switched off: `~callbacks.early_stopping`."""
-    return [instantiate(node, f"callbacks.{name}") for name, node in (cfg or {}).items() if node is not None]
-
-
-def loggers(cfg: DictConfig | None) -> list[Any]:
-    return [instantiate(node, f"logger.{name}") for name, node in (cfg or {}).items() if node is not None]
+def named(cfg: DictConfig | None, group: str) -> list[Any]:
+    """`callbacks` and `logger` are mappings name -> config, so each entry can be dropped: `~callbacks.rich`."""
+    return [instantiate(node, f"{group}.{name}") for name, node in (cfg or {}).items() if node is not None]
 
 
 def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
+    """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
 
-    launchers.check(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
-    overrides: dict[str, Any] = {}
-    if cfg.get("strategy") == "fsdp":
-        # Lightning maps the name to its GPU-only FSDP1; ours is FSDP2 everywhere (project.strategies.fsdp).
-        from project.strategies.fsdp import FSDPStrategy
-
-        overrides["strategy"] = FSDPStrategy()
-    if launchers.submitit_slurm() and not cfg.get("plugins"):
-        # One party requeues: submitit does (its USR2 handler resubmits the job, which then resumes from
-        # <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off.
-        from lightning.pytorch.plugins.environments import SLURMEnvironment
-
-        overrides["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+    cluster.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
+    overrides = {**_fsdp_by_name(cfg), **_one_requeuing_party(cfg)}
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
+    _check_precision(cfg, built)
+    return built
+
+
+def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
+    """Lightning maps the name "fsdp" to its GPU-only FSDP1; ours is FSDP2 everywhere (project.strategies.fsdp)."""
+    if cfg.get("strategy") != "fsdp":
+        return {}
+    from project.strategies.fsdp import FSDPStrategy
+
+    return {"strategy": FSDPStrategy()}
+
+
+def _one_requeuing_party(cfg: DictConfig) -> dict[str, Any]:
+    """Under submitit, submitit requeues (its USR2 handler resubmits the job, which resumes from
+    <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off."""
+    if not cluster.under_submitit() or cfg.get("plugins"):
+        return {}
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    return {"plugins": [SLURMEnvironment(auto_requeue=False)]}
+
+
+def _check_precision(cfg: DictConfig, built: Any) -> None:
+    """Lightning would quietly run fp16 as bf16 without CUDA: a different experiment than the one asked for."""
     if str(cfg.get("precision")) in ("16", "16-mixed") and built.strategy.root_device.type != "cuda":
-        # Lightning would quietly switch to bf16-mixed: a different experiment than the one asked for.
         raise UserError(f"trainer.precision={cfg.precision} needs a CUDA GPU (loss-scaled float16); "
                         f"on {built.strategy.root_device.type} use precision=bf16_mixed")
-    return built

@@ -3,13 +3,18 @@
 A checkpoint is a .ckpt file, or (strategy=fsdp) a directory of shards with the rest in meta.pt.
 """
 
+import logging
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from project.errors import UserError
 
-SHARDED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+log = logging.getLogger(__name__)
+
+SHARDED_METADATA = "meta.pt"
+# A checkpoint names the classes that rebuild its model; only these packages are built from a file.
+TRUSTED_TARGETS = ("project.", "torch.", "torchvision.")  # Lightning's name for the non-tensor part of a sharded checkpoint
 
 
 def is_sharded(path: Path) -> bool:
@@ -34,13 +39,23 @@ def check_readable(path: str) -> Path:
     return p
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path, mmap: bool = False) -> dict:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: tensors stay on disk until touched, so reading the config of a large checkpoint is cheap
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         raise UserError(f"ckpt_path={path}: cannot be loaded safely ({type(e).__name__}: {e})") from e
+
+
+def _targets(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+        return own + [t for v in node.values() for t in _targets(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _targets(v)]
+    return []
 
 
 def load_model(path: str) -> tuple[Any, dict]:
@@ -53,20 +68,52 @@ def load_model(path: str) -> tuple[Any, dict]:
     config = ckpt.get("hyper_parameters") or {}
     if "model" not in config:
         raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
+    untrusted = [t for t in _targets(config["model"]) if not t.startswith(TRUSTED_TARGETS)]
+    if untrusted:
+        raise UserError(f"ckpt_path={path}: refusing to build {untrusted} named by the checkpoint; only "
+                        f"{', '.join(TRUSTED_TARGETS)} classes are built from a checkpoint")
     model = hydra.utils.instantiate(config["model"])
     if not is_sharded(p):
         model.load_state_dict(ckpt["state_dict"])
     return model, config
 
 
-def resume_point(run_dir: Path) -> str | None:
-    """The checkpoint a restarted run continues from, when its own directory already has one.
+def resume_point(run_dir: Path, restarted: bool) -> str | None:
+    """The checkpoint a run continues from without ckpt_path: its own last.ckpt, only when the job is a restart.
 
-    That happens only when a run is started again in the same directory: a SLURM requeue (Lightning then
-    finds its hpc_ckpt_*.ckpt itself, and we stay out of its way), a submitit resubmission, or a user
-    pointing hydra.run.dir at an interrupted run.
+    A restart (SLURM requeue, submitit resubmission, torchelastic restart) runs again in the same dir.
+    Lightning finds its own hpc_ckpt_*.ckpt, so we stay out of its way then. Anything else that finds
+    checkpoints in its dir is a new run in a reused dir, which must not silently continue an unrelated run.
     """
-    if any(run_dir.glob("hpc_ckpt_*.ckpt")):
-        return None
     last = run_dir / "checkpoints" / "last.ckpt"
-    return str(last) if last.exists() else None
+    has_hpc = any(run_dir.glob("hpc_ckpt_*.ckpt"))
+    if not restarted:
+        if last.exists() or has_hpc:
+            raise UserError(f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
+                            f"ckpt_path={last}; for a new run use a new directory (with torchrun: a new --rdzv-id)")
+        return None
+    if has_hpc or not last.exists():
+        return None
+    candidates = [last, *sorted((run_dir / "checkpoints").glob("epoch_*.ckpt"), key=lambda p: p.stat().st_mtime,
+                                reverse=True)]
+    for candidate in candidates:
+        try:
+            return str(check_readable(str(candidate)))
+        except UserError as e:  # cut off while saving when the job was stopped: fall back to an older one
+            log.warning("Not resuming from %s: %s", candidate, e)
+    return None
+
+
+def check_same_model(path: str, model_cfg: Any) -> None:
+    """Resuming with another architecture fails deep in load_state_dict; say which config differs instead."""
+    from omegaconf import OmegaConf
+
+    p = check_readable(path)
+    config = _load(p / SHARDED_METADATA if is_sharded(p) else p, mmap=not is_sharded(p)).get("hyper_parameters") or {}
+    if "model" not in config:
+        raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
+    current = OmegaConf.to_container(model_cfg, resolve=True)
+    for key in ("_target_", "net"):
+        if config["model"].get(key) != current.get(key):
+            raise UserError(f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
+                            f"model.{key}={current.get(key)}: resume with the checkpoint's model config")

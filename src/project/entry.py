@@ -48,11 +48,11 @@ def _composition_error(e: CompactHydraException) -> str:
 
 def cli(hydra_main: Callable[[], Any]) -> None:
     """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
-    from project.multirun import ENTRY_SCRIPT
+    from project.multirun import remember_entry_script
 
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
-    os.environ.setdefault(ENTRY_SCRIPT, os.path.abspath(sys.argv[0]))
+    remember_entry_script()
     try:
         hydra_main()
     except (CompactHydraException, UserError) as e:  # UserError arrives here from a failed sweep job
@@ -63,12 +63,17 @@ def cli(hydra_main: Callable[[], Any]) -> None:
         raise SystemExit(2) from None
 
 
-def _only_bookkeeping(run_dir: Path) -> bool:
-    """True when the dir holds nothing a user would want: Hydra's .hydra/, log files, empty dirs."""
+def _remove_if_unused(run_dir: Path) -> None:
+    """Remove the run dir of a run that failed before doing anything, if this process made it (not a dir the
+    user named, not a shared torchrun/srun dir, not a sweep job's dir) and it holds only Hydra's bookkeeping."""
+    from project.config.resolvers import CREATED
+
+    if str(run_dir.resolve()) not in CREATED or not run_dir.is_dir():
+        return
     for path in run_dir.rglob("*"):
         if path.is_file() and ".hydra" not in path.relative_to(run_dir).parts and path.suffix != ".log":
-            return False
-    return True
+            return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _one_console_output() -> None:
@@ -90,9 +95,7 @@ def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         if _full_error():
             raise
         hc = HydraConfig.get()
-        run_dir = Path(hc.runtime.output_dir)
-        if run_dir.is_dir() and _only_bookkeeping(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
+        _remove_if_unused(Path(hc.runtime.output_dir))
         print(f"error: {e}", file=sys.stderr)
         if hc.mode == RunMode.MULTIRUN:
             raise

@@ -7,7 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 from project import build, checkpoints
 from project.config.schema import check_keys
 from project.errors import UserError
-from project.train import write_metrics
+from project.results import write_metrics
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -22,7 +22,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     model, train_config = checkpoints.load_model(str(path))
     data_cfg = cfg.data if cfg.data is not None else OmegaConf.create(train_config["data"])
     datamodule = build.datamodule(data_cfg)
-    trainer = build.trainer(cfg.trainer, [], build.loggers(cfg.logger))
+    trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"))
     sharded = checkpoints.is_sharded(path)
     if sharded and not isinstance(trainer.strategy, ModelParallelStrategy):
         raise UserError(f"ckpt_path={cfg.ckpt_path} is sharded (written by strategy=fsdp): evaluate it with trainer=fsdp "

@@ -9,7 +9,6 @@ single-run case it handles correctly, keeps jobs apart, and turns a crashed rank
 instead of a killed sweep. Works for any sweeper (basic, Optuna) and launcher (local, joblib).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -37,6 +36,15 @@ def launches_rank_scripts(trainer: Any) -> bool:
     return isinstance(launcher, _SubprocessScriptLauncher) and not launcher.cluster_environment.creates_processes_externally
 
 
+# Hydra overrides that made this process a sweep; the job's own run replaces them.
+_SWEEP_ONLY = ("hydra.mode", "hydra.sweep", "hydra.sweeper", "hydra/sweeper", "hydra.launcher", "hydra/launcher",
+               "hydra.run.dir", "hydra.job.name", "hydra.output_subdir")
+
+
+def remember_entry_script() -> None:
+    os.environ[ENTRY_SCRIPT] = os.path.abspath(sys.argv[0])
+
+
 def job_command() -> list[str]:
     """This sweep job as a single run: same config sources and overrides, writing into the job's dir."""
     hc = HydraConfig.get()
@@ -47,12 +55,25 @@ def job_command() -> list[str]:
             cmd += ["--config-path", source.path.removeprefix("file://")]
         elif source.provider == "command-line":
             cmd += ["--config-dir", source.path.removeprefix("file://")]
+    hydra_overrides = [o for o in hc.overrides.hydra if not o.lstrip("+~").startswith(_SWEEP_ONLY)]
+    run_dir = str(hc.runtime.output_dir).replace("\\", "\\\\").replace('"', '\\"')
     return cmd + [
         *hc.overrides.task,
-        f"hydra.run.dir={hc.runtime.output_dir}",
+        *hydra_overrides,
+        f'hydra.run.dir="{run_dir}"',  # quoted: a comma in the path would otherwise read as a sweep
         "hydra.output_subdir=null",  # the sweep already saved this job's .hydra/
         f"hydra.job.name={hc.job.name}",
     ]
+
+
+def objective(metrics: dict[str, float], name: str | None) -> float | None:
+    """The number handed to the sweeper. In a sweep a metric that was never logged is an error, not None:
+    an optimizing sweeper would otherwise compare nothing."""
+    if not name:
+        return None
+    if name not in metrics and is_multirun():
+        raise UserError(f"optimized_metric={name} was not logged; logged: {', '.join(sorted(metrics)) or 'nothing'}")
+    return metrics.get(name)
 
 
 def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
@@ -63,8 +84,6 @@ def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
     if proc.returncode != 0:
         raise UserError(f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "
                         f"its error is printed above")
-    metrics: dict[str, float] = {}
-    for name in ("fit_metrics.json", "test_metrics.json"):
-        if (run_dir / name).is_file():
-            metrics.update(json.loads((run_dir / name).read_text()))
-    return metrics.get(optimized_metric) if optimized_metric else None
+    from project.results import read_metrics
+
+    return objective(read_metrics(run_dir), optimized_metric)

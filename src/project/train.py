@@ -1,24 +1,16 @@
 """The training task: build everything from the composed config, fit, then test the best checkpoint."""
 
-import json
 import logging
 from pathlib import Path
 
 import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
-from project import build, checkpoints, multirun
+from project import build, checkpoints, cluster, multirun
 from project.config.schema import check_keys
+from project.results import write_metrics
 
 log = logging.getLogger(__name__)
-
-
-def write_metrics(trainer: L.Trainer, path: Path) -> dict[str, float]:
-    """The final scalar metrics as JSON (rank 0), so scripts need not parse TensorBoard files."""
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    if trainer.is_global_zero:
-        path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    return metrics
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -26,17 +18,18 @@ def train(cfg: DictConfig) -> float | None:
     check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = cfg.ckpt_path or checkpoints.resume_point(Path(cfg.paths.output_dir))
+    ckpt_path = cfg.ckpt_path or checkpoints.resume_point(Path(cfg.paths.output_dir), cluster.restarted())
     if ckpt_path:
-        ckpt_path = str(checkpoints.check_readable(ckpt_path))
-        log.info("Resuming from %s", ckpt_path)
+        checkpoints.check_same_model(ckpt_path, cfg.model)
+        if cfg.train:
+            log.info("Resuming from %s", ckpt_path)
 
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
     # The plain run config is the module's hyperparameters: TensorBoard shows it, and every checkpoint
     # carries what rebuilds the model (project.checkpoints.load_model), loadable with weights_only=True.
     model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
-    trainer = build.trainer(cfg.trainer, build.callbacks(cfg.callbacks), build.loggers(cfg.logger))
+    trainer = build.trainer(cfg.trainer, build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger"))
     if multirun.is_multirun() and multirun.launches_rank_scripts(trainer):
         return multirun.run_job_in_fresh_process(cfg.optimized_metric)
 
@@ -52,4 +45,4 @@ def train(cfg: DictConfig) -> float | None:
         metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json"))
         if best and trainer.is_global_zero:
             log.info("Tested %s", best)
-    return metrics.get(cfg.optimized_metric) if cfg.optimized_metric else None
+    return multirun.objective(metrics, cfg.optimized_metric)

@@ -5,7 +5,10 @@ from datetime import datetime
 
 from omegaconf import OmegaConf
 
-from project import launchers
+from project import cluster
+
+# Run dirs this process made, so that a failed start removes only what it created itself.
+CREATED: set[str] = set()
 
 
 def unique_dir(path: str) -> str:
@@ -25,9 +28,11 @@ def unique_dir(path: str) -> str:
 
 def run_dir(parent: str) -> str:
     """`parent/<start time>` (made unique), or, for ranks started by torchrun or srun, a name they share."""
-    name = launchers.shared_run_name()
+    name = cluster.shared_run_name()
     if name is None:
-        return unique_dir(os.path.join(parent, datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+        path = unique_dir(os.path.join(parent, datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+        CREATED.add(os.path.abspath(path))
+        return path
     path = os.path.join(parent, name)
     os.makedirs(path, exist_ok=True)
     return path

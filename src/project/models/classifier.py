@@ -41,6 +41,7 @@ class ImageClassifier(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # in checkpoints, so a resumed run still knows its best
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -70,10 +71,6 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         return self.criterion(logits, y), logits.argmax(dim=1), y
 
-    def on_train_start(self) -> None:
-        # The sanity-check validation ran on untrained weights: it must not count as the best.
-        self.val_acc_best.reset()
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, preds, y = self._shared_step(batch)
         self.train_loss(loss)
@@ -90,6 +87,8 @@ class ImageClassifier(L.LightningModule):
         self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:  # a look at untrained (or just restored) weights: not a result
+            return
         self.val_acc_best(self.val_acc.compute())
         best = self.val_acc_best.compute()
         self.log("val/acc_best", best, sync_dist=True, prog_bar=True)

@@ -100,16 +100,25 @@ def _first_tensor(obj: Any) -> Tensor | None:
     return None
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    """A metric state (a tensor, or a list of them for cat states) on `device`."""
+    return value.to(device) if isinstance(value, Tensor) else [v.to(device) for v in value]
+
+
 def _fresh_metric_states(module: nn.Module, device: torch.device) -> None:
-    """Give a replica's metrics empty states of their own on its device. Replicas are shallow copies:
-    without this, a metric's in-place update (`self.tp += ...`) would add into the root's state."""
+    """Make a replica's metrics its own. Replicas are shallow copies, and a torchmetrics Metric keeps its
+    wrapped `update`/`compute` in its instance dict bound to the original: a replica would update the root's
+    state, from several threads at once. So: rebind them to the replica, and give it empty states on its
+    device (not via reset(), which clears list states in place, the root's included)."""
     for metric in module.modules():
         if isinstance(metric, Metric):
-            metric.reset()  # rebinds every state to a fresh copy of its default, in the replica only
-            for name in metric._defaults:
-                value = getattr(metric, name)
-                moved = value.to(device) if isinstance(value, Tensor) else [v.to(device) for v in value]
-                object.__setattr__(metric, name, moved)
+            cls = type(metric)
+            metric.__dict__["update"] = metric._wrap_update(cls.update.__get__(metric, cls))
+            metric.__dict__["compute"] = metric._wrap_compute(cls.compute.__get__(metric, cls))
+            for name, default in metric._defaults.items():
+                fresh = default.detach().clone().to(device) if isinstance(default, Tensor) else []
+                object.__setattr__(metric, name, fresh)
+            metric._update_count, metric._forward_cache, metric._computed = 0, None, None
 
 
 class _ReplicaStep(nn.Module):
@@ -263,25 +272,59 @@ class DataParallelStrategy(ParallelStrategy):
 
     def _log_on_root(self, module: nn.Module, replicas: list[nn.Module], records: list[list[Record]],
                      sizes: list[int]) -> None:
-        """Log once what every replica logged: metric states merged, plain values averaged by chunk size."""
+        """Log once what every replica logged: metric states combined, plain values reduced by their reduce_fx."""
+        names = [[name for name, _, _ in replica_records] for replica_records in records]
+        if any(n != names[0] for n in names[1:]):
+            raise MisconfigurationException(
+                f"strategy=dp: the replicas logged different keys ({names}); a step's self.log calls must not "
+                "depend on which part of the batch a replica got")
         total, root = sum(sizes), self.root_device
+        paths = {id(m): p for p, m in replicas[0].named_modules()}
+        combined: set[int] = set()
         for i, (name, value, kwargs) in enumerate(records[0]):
             values = [r[i][1] for r in records]
             if isinstance(value, Metric):
-                paths = [{id(m): p for p, m in replica.named_modules()} for replica in replicas]
-                metric = module.get_submodule(paths[0][id(value)])
-                for replica_metric in values:
-                    metric.merge_state({k: _to(v, root) for k, v in replica_metric.metric_state.items()})
-                    metric._update_count += replica_metric._update_count
-                metric._computed = None
-                caches = [m._forward_cache for m in values]
-                if all(isinstance(c, Tensor) for c in caches):
-                    metric._forward_cache = _combine(caches, sizes, root)
+                metric = module.get_submodule(paths[id(value)])
+                if id(metric) not in combined:  # the same metric logged under two names is combined once
+                    _combine_metric(metric, values, root)
+                    combined.add(id(metric))
                 module.log(name, metric, **kwargs)
             else:
-                mean = sum(torch.as_tensor(v, dtype=torch.float32).to(root) * (n / total) for v, n in zip(values, sizes))
-                module.log(name, mean, **{"batch_size": total, **kwargs})
+                module.log(name, _reduce_values(values, sizes, kwargs.get("reduce_fx", "mean"), root),
+                           **{"batch_size": total, **kwargs})
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, Tensor) else [v.to(device) for v in value]
+def _combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device) -> None:
+    """Add the replicas' states into the root metric, and set its step value to the whole batch's.
+
+    States are combined through their own reductions (`_reduce_states`), as Metric.forward and DDP's
+    metric sync do: exact for sums, counts, maxima and concatenations, whatever `full_state_update` says.
+    """
+    step = metric.clone()
+    step.reset()
+    for replica in replica_metrics:
+        state = {k: _to(v, root) for k, v in replica.metric_state.items()}
+        for target in (metric, step):
+            target._update_count += replica._update_count  # first: mean-reduced states divide by it
+            target._reduce_states(state)
+    metric._computed = None
+    metric._forward_cache = step.compute()  # what Lightning logs for on_step=True
+
+
+def _reduce_values(values: list[Any], sizes: list[int], reduce_fx: Any, root: torch.device) -> Tensor:
+    """Plain logged values of the replicas as one: the mean weighted by chunk size, or their sum, max or min."""
+    tensors = [torch.as_tensor(v, dtype=torch.float32).to(root) for v in values]
+    fx = getattr(reduce_fx, "__name__", reduce_fx)
+    if fx == "mean":
+        total = sum(sizes)
+        return sum(t * (n / total) for t, n in zip(tensors, sizes))
+    stacked = torch.stack(tensors)
+    if fx == "sum":
+        return stacked.sum(0)
+    if fx == "max":
+        return stacked.amax(0)
+    if fx == "min":
+        return stacked.amin(0)
+    raise MisconfigurationException(f"strategy=dp cannot combine values logged with reduce_fx={reduce_fx!r}; "
+                                    "use mean, sum, max or min, or log a torchmetrics Metric")
+

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from project import launchers
+from project import cluster
 from project.errors import UserError
 
 from conftest import REPO, TESTS, run_dirs
 
 RUN = ["trainer=ddp", "trainer.accelerator=cpu", "model=mlp", "debug=limit", "~callbacks.early_stopping",
        "+callbacks.probe._target_=probes.ShardProbe"]
-SLURM_VARS = ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES",
-              "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+SLURM_VARS = ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS_PER_NODE",
+              "SLURM_NNODES", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
 
 
 @pytest.fixture
@@ -28,37 +28,46 @@ def clean_env(monkeypatch):
 
 
 def test_shared_run_name_comes_from_the_launcher(clean_env):
-    assert launchers.shared_run_name() is None
+    assert cluster.shared_run_name() is None
     clean_env.setenv("TORCHELASTIC_RUN_ID", "abc")
-    assert launchers.shared_run_name() == "torchrun_abc"
+    assert cluster.shared_run_name() == "torchrun_abc"
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "none")  # static rendezvous, no id: never one dir for every launch
+    assert cluster.shared_run_name() == f"torchrun_{os.uname().nodename}-{os.getppid()}"
     clean_env.delenv("TORCHELASTIC_RUN_ID")
     clean_env.setenv("SLURM_NTASKS", "4")
     clean_env.setenv("SLURM_JOB_ID", "77")
     clean_env.setenv("SLURM_JOB_NAME", "train")
-    assert launchers.shared_run_name() == "slurm_77"
+    assert cluster.shared_run_name() == "slurm_77"
     clean_env.setenv("SLURM_STEP_ID", "2")
-    assert launchers.shared_run_name() == "slurm_77_2"
+    assert cluster.shared_run_name() == "slurm_77_2"
     clean_env.setenv("SLURM_JOB_NAME", "bash")  # an interactive allocation: not a launch
-    assert launchers.shared_run_name() is None
+    assert cluster.shared_run_name() is None
+
+
+def test_dp_is_one_machine(clean_env):
+    with pytest.raises(UserError, match="set trainer.num_nodes=1"):
+        cluster.check_process_count(2, 2, "dp")
 
 
 def test_devices_must_match_what_the_launcher_started(clean_env):
     clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
     clean_env.setenv("WORLD_SIZE", "4")
-    launchers.check(2, 2, "ddp")
-    launchers.check("auto", 1, "ddp")
+    cluster.check_process_count(2, 2, "ddp")
+    cluster.check_process_count("auto", 1, "ddp")
     with pytest.raises(UserError, match=r"torchrun started 4 processes, but trainer.devices=2 x trainer.num_nodes=1"):
-        launchers.check(2, 1, "ddp")
+        cluster.check_process_count(2, 1, "ddp")
     with pytest.raises(UserError, match="use trainer.strategy=ddp"):
-        launchers.check(4, 1, "ddp_spawn")
+        cluster.check_process_count(4, 1, "ddp_spawn")
+    with pytest.raises(UserError, match="dp runs its own processes, but torchrun already started 4"):
+        cluster.check_process_count(4, 1, "dp")
     clean_env.delenv("TORCHELASTIC_RUN_ID")
     for k, v in {"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "t", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2"}.items():
         clean_env.setenv(k, v)
-    launchers.check(4, 2, "ddp")
+    cluster.check_process_count(4, 2, "ddp")
     with pytest.raises(UserError, match="--ntasks-per-node=2"):
-        launchers.check(2, 2, "ddp")
+        cluster.check_process_count(2, 2, "ddp")
     with pytest.raises(UserError, match="trainer.num_nodes=2"):
-        launchers.check(4, 1, "ddp")
+        cluster.check_process_count(4, 1, "ddp")
 
 
 def free_port() -> int:
