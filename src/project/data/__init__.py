@@ -1,0 +1,1 @@
+"""LightningDataModules. Small data sets live in memory as whole tensors (see tensors.py)."""

