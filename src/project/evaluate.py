@@ -4,25 +4,28 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from project import build, checkpoints
+from project import build, checkpoints, multirun
 from project.config.schema import check_keys
 from project.errors import UserError
-from project.results import write_metrics
+from project.results import read_metrics, write_metrics
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    """Returns the test metrics (also written to <run>/test_metrics.json)."""
     import lightning.pytorch as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     path = checkpoints.check_readable(cfg.ckpt_path)
     model, train_config = checkpoints.load_model(str(path))
     data_cfg = cfg.data if cfg.data is not None else OmegaConf.create(train_config["data"])
     datamodule = build.datamodule(data_cfg)
     trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"))
+    if multirun.is_multirun() and multirun.launches_rank_scripts(trainer):
+        multirun.run_job_in_fresh_process(None)
+        return read_metrics(Path(cfg.paths.output_dir))
     sharded = checkpoints.is_sharded(path)
     if sharded and not isinstance(trainer.strategy, ModelParallelStrategy):
         raise UserError(f"ckpt_path={cfg.ckpt_path} is sharded (written by strategy=fsdp): evaluate it with trainer=fsdp "
