@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-fast train tensorboard devices clean
+.PHONY: install test test-fast lint train tensorboard devices clean
 
 install: $(BIN)/python  ## create .venv and install the project with its dev tools
 	$(BIN)/pip install --upgrade pip
@@ -17,6 +17,10 @@ test:  ## the whole suite, slow end-to-end tests included
 
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
+
+lint:  ## style: ruff's checks and formatting (120 columns)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 train:  ## train the default model on the default data
 	$(BIN)/python train.py

@@ -28,11 +28,22 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
 
     def run(script: str, *overrides: str, check: bool = True, env: dict | None = None, log_dir: Path | None = None):
         log_dir = log_dir or tmp_path / "logs"
-        cmd = [sys.executable, str(REPO / script), f"paths.log_dir={log_dir}", f"paths.data_dir={tmp_path / 'data'}", *overrides]
-        full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+        cmd = [
+            sys.executable,
+            str(REPO / script),
+            f"paths.log_dir={log_dir}",
+            f"paths.data_dir={tmp_path / 'data'}",
+            *overrides,
+        ]
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
+        }
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=full_env)
         if check and proc.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+            output = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{output}")
         return proc
 
     return run

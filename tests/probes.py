@@ -1,10 +1,10 @@
 """Test-only instruments for the DDP CLI test: they write what each rank saw into $PROBE_DIR."""
 
 import hashlib
-import signal
-import time
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -52,10 +52,17 @@ class ShardProbe(L.Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         seed = pl_module.hparams.get("seed")
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.parameters())
-        out = {"local_params": local, "params": sum(p.numel() for p in pl_module.parameters()),
-               "rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
-               "environment": type(trainer.strategy.cluster_environment).__name__, "seed": seed,
-               "seen": self.seen, "metrics": metrics}
+        out = {
+            "local_params": local,
+            "params": sum(p.numel() for p in pl_module.parameters()),
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "node_rank": trainer.node_rank,
+            "environment": type(trainer.strategy.cluster_environment).__name__,
+            "seed": seed,
+            "seen": self.seen,
+            "metrics": metrics,
+        }
         name = f"seed{seed}_rank{trainer.global_rank}" if self.per_seed else f"rank{trainer.global_rank}"
         (probe_dir() / f"{name}.json").write_text(json.dumps(out))
 
@@ -72,8 +79,10 @@ class EquivalenceProbe(L.Callback):
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                 for k, v in pl_module.net.state_dict().items()}
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in pl_module.net.state_dict().items()
+        }
         if trainer.is_global_zero:
             (probe_dir() / "losses.json").write_text(json.dumps(self.losses))
             torch.save(state, probe_dir() / "weights.pt")

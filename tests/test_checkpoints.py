@@ -9,8 +9,12 @@ from project.errors import UserError
 
 def test_a_checkpoint_naming_code_outside_the_project_is_not_built(tmp_path):
     path = tmp_path / "evil.ckpt"
-    config = {"model": {"_target_": "project.models.classifier.ImageClassifier",
-                        "net": {"_target_": "os.system", "command": "touch pwned"}}}
+    config = {
+        "model": {
+            "_target_": "project.models.classifier.ImageClassifier",
+            "net": {"_target_": "os.system", "command": "touch pwned"},
+        }
+    }
     torch.save({"hyper_parameters": config, "state_dict": {}}, path)
     with pytest.raises(UserError, match=r"refusing to build \['os.system'\]"):
         load_model(str(path))

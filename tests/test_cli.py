@@ -4,22 +4,26 @@ import csv
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import REPO, run_dirs
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
 
 
 def test_help_lists_groups_without_importing_torch():
-    proc = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert "== Configuration groups ==" in proc.stdout and "trainer: " in proc.stdout
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.split("|")[-1].strip().split(".")[0]
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "hydra" in imported
     assert not imported & {"torch", "lightning", "torchvision", "torchmetrics"}
 
@@ -29,10 +33,16 @@ def test_help_lists_groups_without_importing_torch():
     [
         ("trainer.max_epoch=3", "trainer.max_epoch: no such key; did you mean trainer.max_epochs?"),
         ("model=lenett", "Could not find 'model/lenett'"),
-        ("+trainer.max_epoch=3", "trainer.max_epoch: lightning.pytorch.Trainer has no option 'max_epoch'; did you mean 'max_epochs'?"),
+        (
+            "+trainer.max_epoch=3",
+            "trainer.max_epoch: lightning.pytorch.Trainer has no option 'max_epoch'; did you mean 'max_epochs'?",
+        ),
         ("ckpt_path=/no/such.ckpt", "ckpt_path=/no/such.ckpt: no such file"),
-        pytest.param("trainer=dp", "On CPU use trainer.strategy=ddp trainer.accelerator=cpu",
-                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="dp runs where CUDA is")),
+        pytest.param(
+            "trainer=dp",
+            "On CPU use trainer.strategy=ddp trainer.accelerator=cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="dp runs where CUDA is"),
+        ),
     ],
 )
 def test_bad_input_is_one_error_line_and_no_output(cli, tmp_path, override, expected):
@@ -71,7 +81,16 @@ def test_run_dir_holds_config_checkpoints_and_tensorboard_events(trained):
         acc = EventAccumulator(str(events)).Reload()
         scalars |= set(acc.Tags()["scalars"])
         hparams_tags |= set(acc.PluginTagToContent("hparams"))  # what TensorBoard's HParams tab reads
-    assert {"train/loss_step", "train/loss_epoch", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/acc", "test/loss"} <= scalars
+    assert {
+        "train/loss_step",
+        "train/loss_epoch",
+        "train/acc",
+        "val/loss",
+        "val/acc",
+        "val/acc_best",
+        "test/acc",
+        "test/loss",
+    } <= scalars
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hparams_tags
 
 
@@ -96,8 +115,13 @@ def test_eval_of_best_checkpoint_gives_the_training_runs_test_accuracy(cli, tmp_
 def test_resume_continues_at_the_next_epoch(cli, tmp_path, trained):
     last = torch.load(trained / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     done_epochs, steps = last["epoch"] + 1, last["global_step"]
-    cli("train.py", f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", f"trainer.max_epochs={done_epochs + 2}",
-        "logger=csv", "~callbacks.early_stopping")
+    cli(
+        "train.py",
+        f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}",
+        f"trainer.max_epochs={done_epochs + 2}",
+        "logger=csv",
+        "~callbacks.early_stopping",
+    )
     (run,) = run_dirs(tmp_path / "logs")
     resumed = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["epoch"] == done_epochs + 1
@@ -127,9 +151,18 @@ def test_a_failed_start_leaves_a_dir_the_user_named_alone(cli, tmp_path):
 def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
-    cli("train.py", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_epochs=2",
-        "model=mlp", "data._target_=probes.CountingDigits", "+callbacks.probe._target_=probes.ShardProbe",
-        "~callbacks.early_stopping", env={"PROBE_DIR": str(probe)})
+    cli(
+        "train.py",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_epochs=2",
+        "model=mlp",
+        "data._target_=probes.CountingDigits",
+        "+callbacks.probe._target_=probes.ShardProbe",
+        "~callbacks.early_stopping",
+        env={"PROBE_DIR": str(probe)},
+    )
     (run,) = run_dirs(tmp_path / "logs")
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "test_metrics.json").is_file()
     # Only rank 0 prepares, once per Trainer entry point (fit, then test); rank 1 never does.
@@ -148,7 +181,9 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_pat
 
 def test_devices_command_reports_the_machine(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "project.devices"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "project.devices"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "CUDA_VISIBLE_DEVICES: \n" in out or "CUDA_VISIBLE_DEVICES: " in out

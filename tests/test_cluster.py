@@ -8,16 +8,29 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TESTS, run_dirs
 
 from project import cluster
 from project.errors import UserError
 
-from conftest import REPO, TESTS, run_dirs
-
-RUN = ["trainer=ddp", "trainer.accelerator=cpu", "model=mlp", "debug=limit", "~callbacks.early_stopping",
-       "+callbacks.probe._target_=probes.ShardProbe"]
-SLURM_VARS = ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS_PER_NODE",
-              "SLURM_NNODES", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+RUN = [
+    "trainer=ddp",
+    "trainer.accelerator=cpu",
+    "model=mlp",
+    "debug=limit",
+    "~callbacks.early_stopping",
+    "+callbacks.probe._target_=probes.ShardProbe",
+]
+SLURM_VARS = (
+    "SLURM_NTASKS",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_NNODES",
+    "TORCHELASTIC_RUN_ID",
+    "WORLD_SIZE",
+)
 
 
 @pytest.fixture
@@ -106,8 +119,17 @@ def assert_two_ranks_split_the_data(probe: Path) -> list[dict]:
 def test_torchrun_starts_the_ranks_and_lightning_launches_none(tmp_path):
     probe, logs = tmp_path / "probe", tmp_path / "logs"
     probe.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           f"paths.log_dir={logs}", "trainer.devices=2", *RUN]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        f"paths.log_dir={logs}",
+        "trainer.devices=2",
+        *RUN,
+    ]
     finish([start(cmd, {"PROBE_DIR": str(probe)})])
     seen = assert_two_ranks_split_the_data(probe)
     assert {r["environment"] for r in seen} == {"TorchElasticEnvironment"}
@@ -117,8 +139,17 @@ def test_torchrun_starts_the_ranks_and_lightning_launches_none(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_with_the_wrong_device_count_stops_with_the_fix(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           f"paths.log_dir={tmp_path / 'logs'}", "trainer.devices=1", *RUN]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        "trainer.devices=1",
+        *RUN,
+    ]
     proc = start(cmd, {"PROBE_DIR": str(tmp_path)})
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
@@ -130,9 +161,13 @@ def test_two_nodes_on_localhost_one_process_each(tmp_path):
     probe, run = tmp_path / "probe", tmp_path / "shared_run"
     probe.mkdir()
     port = str(free_port())
-    procs = [start([sys.executable, "train.py", f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
-                   {"PROBE_DIR": str(probe), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)})
-             for node in (0, 1)]
+    procs = [
+        start(
+            [sys.executable, "train.py", f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
+            {"PROBE_DIR": str(probe), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)},
+        )
+        for node in (0, 1)
+    ]
     finish(procs)
     seen = assert_two_ranks_split_the_data(probe)
     assert [r["node_rank"] for r in seen] == [0, 1]
@@ -143,11 +178,26 @@ def test_two_nodes_on_localhost_one_process_each(tmp_path):
 def test_srun_tasks_are_the_ranks_under_faked_slurm(tmp_path):
     probe, logs = tmp_path / "probe", tmp_path / "logs"
     probe.mkdir()
-    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
-             "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PROBE_DIR": str(probe)}
-    procs = [start([sys.executable, "train.py", f"paths.log_dir={logs}", "trainer.devices=2", *RUN],
-                   {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)]
+    slurm = {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "localhost",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PROBE_DIR": str(probe),
+    }
+    procs = [
+        start(
+            [sys.executable, "train.py", f"paths.log_dir={logs}", "trainer.devices=2", *RUN],
+            {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+        )
+        for r in (0, 1)
+    ]
     finish(procs)
     seen = assert_two_ranks_split_the_data(probe)
     assert {r["environment"] for r in seen} == {"SLURMEnvironment"}

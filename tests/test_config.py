@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -11,8 +12,6 @@ from project import build
 from project.config.resolvers import unique_dir
 from project.errors import UserError
 from project.train import train
-
-from conftest import REPO
 
 GROUPS = ["data", "model", "trainer", "precision", "callbacks", "logger", "paths", "debug", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((REPO / "conf" / g).glob("*.yaml"))]

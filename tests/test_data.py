@@ -1,6 +1,5 @@
 """Data modules: real splits, batching by indexing, DDP shards, and the real MNIST file format."""
 
-import gzip
 import struct
 from pathlib import Path
 from urllib.error import URLError

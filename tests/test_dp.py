@@ -9,13 +9,12 @@ from functools import partial
 import lightning.pytorch as L
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torchmetrics import Metric
 
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torchmetrics import Metric
-
 from project.strategies.dp import DataParallelStrategy, _combine, _split, simulated_ops
 
 
@@ -69,9 +68,19 @@ def fit(strategy, devices: int, module: type = ImageClassifier, accelerator: str
     L.seed_everything(0)
     model = module(net=MLP(dropout=0.0), optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
     losses = StepLosses()
-    trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, max_epochs=2, limit_train_batches=8,
-                        limit_val_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[losses])
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator=accelerator,
+        devices=devices,
+        max_epochs=2,
+        limit_train_batches=8,
+        limit_val_batches=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+    )
     trainer.fit(model, DigitsDataModule(batch_size=50))
     return losses.losses, model.net.state_dict(), {k: float(v) for k, v in trainer.callback_metrics.items()}
 
@@ -96,7 +105,11 @@ def test_combine_weights_scalars_by_chunk_size_and_concatenates_batches():
     root = torch.device("cpu")
     losses = [torch.tensor(1.0), torch.tensor(4.0)]
     assert _combine(losses, [3, 1], root).item() == pytest.approx(1.75)
-    out = _combine([{"loss": torch.tensor(2.0), "preds": torch.zeros(3)}, {"loss": torch.tensor(2.0), "preds": torch.ones(1)}], [3, 1], root)
+    out = _combine(
+        [{"loss": torch.tensor(2.0), "preds": torch.zeros(3)}, {"loss": torch.tensor(2.0), "preds": torch.ones(1)}],
+        [3, 1],
+        root,
+    )
     assert out["loss"].item() == 2.0 and out["preds"].tolist() == [0, 0, 0, 1]
 
 
@@ -121,8 +134,9 @@ def test_uneven_chunks_still_give_the_full_batch_loss():
 
 def test_values_metrics_and_custom_metrics_logged_in_replicas_combine_exactly():
     _, _, single = fit("auto", 1, LogsEverything)
-    _, _, dp = fit(DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3,
-                   LogsEverything)
+    _, _, dp = fit(
+        DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3, LogsEverything
+    )
     assert dp["seen"] == single["seen"] == 50  # summed over the replicas' chunks, not averaged
     for key in ("max_label", "label_sum", "train/acc_again", "train/acc"):
         assert dp[key] == pytest.approx(single[key], abs=1e-5), key

@@ -15,21 +15,35 @@ import torch
 pytestmark = pytest.mark.slow
 
 GLOBAL_BATCH, STEPS = 64, 6
-COMMON = ["seed=0", "model=mlp", "model.net.dropout=0.0", "model.optimizer._target_=torch.optim.SGD",
-          "model.optimizer.lr=0.05", "+model.optimizer.momentum=0.9", "data.shuffle=false", "trainer.accelerator=cpu",
-          "trainer.max_epochs=1", f"+trainer.limit_train_batches={STEPS}", "+trainer.limit_val_batches=0",
-          "callbacks=none", "+callbacks.probe._target_=probes.EquivalenceProbe", "logger=none", "test=false"]
+COMMON = [
+    "seed=0",
+    "model=mlp",
+    "model.net.dropout=0.0",
+    "model.optimizer._target_=torch.optim.SGD",
+    "model.optimizer.lr=0.05",
+    "+model.optimizer.momentum=0.9",
+    "data.shuffle=false",
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=1",
+    f"+trainer.limit_train_batches={STEPS}",
+    "+trainer.limit_val_batches=0",
+    "callbacks=none",
+    "+callbacks.probe._target_=probes.EquivalenceProbe",
+    "logger=none",
+    "test=false",
+]
 SETUPS = {
     "single": ["trainer.devices=1", f"data.batch_size={GLOBAL_BATCH}"],
     "ddp": ["trainer=ddp", "trainer.devices=2", f"data.batch_size={GLOBAL_BATCH // 2}"],
     "fsdp": ["trainer=fsdp", "trainer.devices=2", f"data.batch_size={GLOBAL_BATCH // 2}"],
     # dp's replica logic on CPU: the same strategy code, replicas simulated (see project.strategies.dp)
-    "dp": ["trainer.devices=2", f"data.batch_size={GLOBAL_BATCH}",
-           "trainer.strategy={_target_:project.strategies.dp.DataParallelStrategy,"
-           "ops:{_target_:project.strategies.dp.simulated_ops}}"],
+    "dp": [
+        "trainer.devices=2",
+        f"data.batch_size={GLOBAL_BATCH}",
+        "trainer.strategy={_target_:project.strategies.dp.DataParallelStrategy,"
+        "ops:{_target_:project.strategies.dp.simulated_ops}}",
+    ],
 }
-
-
 
 
 def train(cli, tmp_path: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -44,8 +58,9 @@ def test_every_strategy_takes_the_same_steps_as_one_device(cli, tmp_path):
     assert len(single_losses) == STEPS and single_losses[-1] < single_losses[0]
     for name in ("ddp", "fsdp", "dp"):
         losses, weights = train(cli, tmp_path, name)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses), atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{name} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(single_losses), atol=1e-5, rtol=0, msg=lambda m: f"{name} losses: {m}"
+        )
         assert weights.keys() == single_weights.keys()
         for key, value in single_weights.items():
             torch.testing.assert_close(weights[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{name} {key}: {m}")

@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import run_dirs
 
 from project import build
 from project.strategies.fsdp import FSDPStrategy
-
-from conftest import run_dirs
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "model=mlp", "debug=limit", "~callbacks.early_stopping"]
 
@@ -45,11 +44,20 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
     (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
     eval_logs = tmp_path / "eval"
     # at 1 device: the shards are redistributed; 4 batches of 64 are the same 256 test digits as 2 x 2 x 64
-    cli("eval.py", f"ckpt_path={best}", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
-        "+trainer.limit_test_batches=4", log_dir=eval_logs)
+    cli(
+        "eval.py",
+        f"ckpt_path={best}",
+        "trainer=fsdp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=1",
+        "+trainer.limit_test_batches=4",
+        log_dir=eval_logs,
+    )
     (evaluated,) = run_dirs(eval_logs, task="eval")
-    assert json.loads((evaluated / "test_metrics.json").read_text())["test/acc"] == \
-        json.loads((run / "test_metrics.json").read_text())["test/acc"]
+    assert (
+        json.loads((evaluated / "test_metrics.json").read_text())["test/acc"]
+        == json.loads((run / "test_metrics.json").read_text())["test/acc"]
+    )
 
     refused = cli("eval.py", f"ckpt_path={best}", check=False, log_dir=eval_logs)
     assert refused.returncode == 2 and "evaluate it with trainer=fsdp" in refused.stderr

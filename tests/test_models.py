@@ -5,13 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 from project.models.lenet import LeNet
 from project.models.mlp import MLP
 from project.models.resnet import resnet18
 from project.train import train
-
-from conftest import REPO
 
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 

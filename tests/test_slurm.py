@@ -8,23 +8,34 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, TESTS
 from hydra import compose, initialize_config_dir
 
 from project import build
 from project.checkpoints import resume_point
 from project.errors import UserError
 
-from conftest import REPO, TESTS
-
-SLURM_ENV = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
-             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0",
-             "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"}
+SLURM_ENV = {
+    "SLURM_NTASKS": "1",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_NNODES": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_JOB_ID": "99",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_NODELIST": "localhost",
+}
 
 
 def test_slurm_launcher_asks_for_one_task_per_device_on_each_node():
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2"],
-                      return_hydra_config=True)
+        cfg = compose(
+            "train",
+            overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2"],
+            return_hydra_config=True,
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.tasks_per_node, launcher.nodes, launcher.gpus_per_node) == (4, 2, 4)
@@ -65,10 +76,23 @@ def test_only_a_restarted_job_resumes_from_its_own_dir(tmp_path):
 def slurm_job(tmp_path: Path, extra_env: dict) -> subprocess.CompletedProcess:
     """One (fake) SLURM job step: train 3 epochs, preempted with SIGUSR1 at epoch 1 unless it resumed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC"))}
-    env.update(SLURM_ENV, PYTHONPATH=str(TESTS), PATH=f"{tmp_path / 'bin'}:{env['PATH']}",
-               REQUEUE_LOG=str(tmp_path / "requeue.log"), **extra_env)
-    cmd = [sys.executable, "train.py", f"paths.log_dir={tmp_path / 'logs'}", "trainer.accelerator=cpu", "model=mlp",
-           "debug=limit", "~callbacks.early_stopping", "+callbacks.preempt._target_=probes.PreemptionProbe"]
+    env.update(
+        SLURM_ENV,
+        PYTHONPATH=str(TESTS),
+        PATH=f"{tmp_path / 'bin'}:{env['PATH']}",
+        REQUEUE_LOG=str(tmp_path / "requeue.log"),
+        **extra_env,
+    )
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        "trainer.accelerator=cpu",
+        "model=mlp",
+        "debug=limit",
+        "~callbacks.early_stopping",
+        "+callbacks.preempt._target_=probes.PreemptionProbe",
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -7,13 +7,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TESTS
 
 pytestmark = pytest.mark.slow
 
-DDP_JOB = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "model=mlp", "debug=limit",
-           "+callbacks.probe._target_=probes.ShardProbe", "+callbacks.probe.per_seed=true"]
+DDP_JOB = [
+    "trainer=ddp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "model=mlp",
+    "debug=limit",
+    "+callbacks.probe._target_=probes.ShardProbe",
+    "+callbacks.probe.per_seed=true",
+]
 
 
 def sweep(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -52,7 +58,11 @@ def test_ddp_sweep_runs_each_jobs_config_on_all_its_ranks(tmp_path):
         assert [r["seed"] for r in ranks] == [seed, seed] and [r["world_size"] for r in ranks] == [2, 2]
         assert not set(ranks[0]["seen"]["0"]) & set(ranks[1]["seen"]["0"])
     assert sorted(p.name for p in (tmp_path / "probe").iterdir()) == [
-        "seed1_rank0.json", "seed1_rank1.json", "seed2_rank0.json", "seed2_rank1.json"]
+        "seed1_rank0.json",
+        "seed1_rank1.json",
+        "seed2_rank0.json",
+        "seed2_rank1.json",
+    ]
 
 
 def test_a_crashing_rank_fails_its_job_and_the_sweep_goes_on(tmp_path):

@@ -107,5 +107,7 @@ def _one_requeuing_party(cfg: DictConfig) -> dict[str, Any]:
 def _check_precision(cfg: DictConfig, built: Any) -> None:
     """Lightning would quietly run fp16 as bf16 without CUDA: a different experiment than the one asked for."""
     if str(cfg.get("precision")) in ("16", "16-mixed") and built.strategy.root_device.type != "cuda":
-        raise UserError(f"trainer.precision={cfg.precision} needs a CUDA GPU (loss-scaled float16); "
-                        f"on {built.strategy.root_device.type} use precision=bf16_mixed")
+        raise UserError(
+            f"trainer.precision={cfg.precision} needs a CUDA GPU (loss-scaled float16); "
+            f"on {built.strategy.root_device.type} use precision=bf16_mixed"
+        )

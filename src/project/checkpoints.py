@@ -14,7 +14,11 @@ log = logging.getLogger(__name__)
 
 SHARDED_METADATA = "meta.pt"
 # A checkpoint names the classes that rebuild its model; only these packages are built from a file.
-TRUSTED_TARGETS = ("project.", "torch.", "torchvision.")  # Lightning's name for the non-tensor part of a sharded checkpoint
+TRUSTED_TARGETS = (
+    "project.",
+    "torch.",
+    "torchvision.",
+)  # Lightning's name for the non-tensor part of a sharded checkpoint
 
 
 def is_sharded(path: Path) -> bool:
@@ -25,7 +29,9 @@ def check_readable(path: str) -> Path:
     """Fail before any work if `path` is missing or torn (Lightning's save is not atomic: a kill can truncate it)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"ckpt_path={path}: no such file; pass the path of a .ckpt file (e.g. <run>/checkpoints/last.ckpt)")
+        raise UserError(
+            f"ckpt_path={path}: no such file; pass the path of a .ckpt file (e.g. <run>/checkpoints/last.ckpt)"
+        )
     if p.is_dir() and not is_sharded(p):
         raise UserError(f"ckpt_path={path}: a directory without {SHARDED_METADATA}, so not a sharded checkpoint")
     target = p / SHARDED_METADATA if p.is_dir() else p
@@ -33,9 +39,13 @@ def check_readable(path: str) -> Path:
         with zipfile.ZipFile(target) as z:
             bad = z.testzip()
     except (zipfile.BadZipFile, OSError) as e:
-        raise UserError(f"ckpt_path={path}: not a readable checkpoint ({e}); it may have been cut off while saving, use another one") from e
+        raise UserError(
+            f"ckpt_path={path}: not a readable checkpoint ({e}); it may have been cut off while saving, use another one"
+        ) from e
     if bad is not None:
-        raise UserError(f"ckpt_path={path}: corrupt entry {bad!r}; it may have been cut off while saving, use another one")
+        raise UserError(
+            f"ckpt_path={path}: corrupt entry {bad!r}; it may have been cut off while saving, use another one"
+        )
     return p
 
 
@@ -70,8 +80,10 @@ def load_model(path: str) -> tuple[Any, dict]:
         raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
     untrusted = [t for t in _targets(config["model"]) if not t.startswith(TRUSTED_TARGETS)]
     if untrusted:
-        raise UserError(f"ckpt_path={path}: refusing to build {untrusted} named by the checkpoint; only "
-                        f"{', '.join(TRUSTED_TARGETS)} classes are built from a checkpoint")
+        raise UserError(
+            f"ckpt_path={path}: refusing to build {untrusted} named by the checkpoint; only "
+            f"{', '.join(TRUSTED_TARGETS)} classes are built from a checkpoint"
+        )
     model = hydra.utils.instantiate(config["model"])
     if not is_sharded(p):
         model.load_state_dict(ckpt["state_dict"])
@@ -89,13 +101,17 @@ def resume_point(run_dir: Path, restarted: bool) -> str | None:
     has_hpc = any(run_dir.glob("hpc_ckpt_*.ckpt"))
     if not restarted:
         if last.exists() or has_hpc:
-            raise UserError(f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
-                            f"ckpt_path={last}; for a new run use a new directory (with torchrun: a new --rdzv-id)")
+            raise UserError(
+                f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
+                f"ckpt_path={last}; for a new run use a new directory (with torchrun: a new --rdzv-id)"
+            )
         return None
     if has_hpc or not last.exists():
         return None
-    candidates = [last, *sorted((run_dir / "checkpoints").glob("epoch_*.ckpt"), key=lambda p: p.stat().st_mtime,
-                                reverse=True)]
+    candidates = [
+        last,
+        *sorted((run_dir / "checkpoints").glob("epoch_*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True),
+    ]
     for candidate in candidates:
         try:
             return str(check_readable(str(candidate)))
@@ -115,5 +131,7 @@ def check_same_model(path: str, model_cfg: Any) -> None:
     current = OmegaConf.to_container(model_cfg, resolve=True)
     for key in ("_target_", "net"):
         if config["model"].get(key) != current.get(key):
-            raise UserError(f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
-                            f"model.{key}={current.get(key)}: resume with the checkpoint's model config")
+            raise UserError(
+                f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
+                f"model.{key}={current.get(key)}: resume with the checkpoint's model config"
+            )

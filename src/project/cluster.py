@@ -28,8 +28,10 @@ def under_submitit() -> bool:
 def restarted() -> bool:
     """This process belongs to a job that was started before and is running again: a SLURM requeue (by
     Lightning or by submitit) or a torchelastic restart. Only then does a run continue from its own dir."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 or \
-        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return (
+        int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    )
 
 
 def shared_run_name() -> str | None:
@@ -65,8 +67,10 @@ def check_process_count(devices: Any, num_nodes: int, strategy: Any) -> None:
     """The trainer must ask for exactly the processes the external launcher made."""
     env = os.environ
     if strategy == "dp" and num_nodes > 1:
-        raise UserError("trainer.strategy=dp drives the GPUs of one machine from one process: set "
-                        "trainer.num_nodes=1, or use trainer.strategy=ddp across nodes")
+        raise UserError(
+            "trainer.strategy=dp drives the GPUs of one machine from one process: set "
+            "trainer.num_nodes=1, or use trainer.strategy=ddp across nodes"
+        )
     if under_torchrun():
         launcher, started = "torchrun", int(env.get("WORLD_SIZE", "1"))
         fix = "trainer.devices=<--nproc_per_node> trainer.num_nodes=<--nnodes>"
@@ -76,18 +80,26 @@ def check_process_count(devices: Any, num_nodes: int, strategy: Any) -> None:
     else:
         return
     if isinstance(strategy, str) and ("spawn" in strategy or strategy in ("ddp_fork", "ddp_notebook", "dp")):
-        raise UserError(f"trainer.strategy={strategy} runs its own processes, but {launcher} already started "
-                        f"{started}: use trainer.strategy=ddp (or fsdp)")
+        raise UserError(
+            f"trainer.strategy={strategy} runs its own processes, but {launcher} already started "
+            f"{started}: use trainer.strategy=ddp (or fsdp)"
+        )
     n = _count(devices)
     if launcher == "srun":
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "4(x2)" on heterogeneous allocations
         nodes = env.get("SLURM_NNODES", "")
         if n is not None and per_node.isdigit() and int(per_node) != n:
-            raise UserError(f"srun started {per_node} tasks per node but trainer.devices={devices}: set "
-                            f"trainer.devices={per_node}, or #SBATCH --ntasks-per-node={n} (one task per device)")
+            raise UserError(
+                f"srun started {per_node} tasks per node but trainer.devices={devices}: set "
+                f"trainer.devices={per_node}, or #SBATCH --ntasks-per-node={n} (one task per device)"
+            )
         if nodes.isdigit() and int(nodes) != num_nodes:
-            raise UserError(f"the SLURM job has {nodes} nodes but trainer.num_nodes={num_nodes}: set "
-                            f"trainer.num_nodes={nodes}, or #SBATCH --nodes={num_nodes}")
+            raise UserError(
+                f"the SLURM job has {nodes} nodes but trainer.num_nodes={num_nodes}: set "
+                f"trainer.num_nodes={nodes}, or #SBATCH --nodes={num_nodes}"
+            )
     elif n is not None and n * num_nodes != started:
-        raise UserError(f"{launcher} started {started} processes, but trainer.devices={devices} x trainer.num_nodes="
-                        f"{num_nodes} = {n * num_nodes}: set {fix}")
+        raise UserError(
+            f"{launcher} started {started} processes, but trainer.devices={devices} x trainer.num_nodes="
+            f"{num_nodes} = {n * num_nodes}: set {fix}"
+        )

@@ -14,13 +14,17 @@ def describe() -> list[str]:
         lines.append(f"CUDA: {torch.cuda.device_count()} device(s), torch built for CUDA {torch.version.cuda}")
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            lines.append(f"  cuda:{i}  {p.name}  {p.total_memory / 2**30:.1f} GiB  compute capability {p.major}.{p.minor}")
+            lines.append(
+                f"  cuda:{i}  {p.name}  {p.total_memory / 2**30:.1f} GiB  compute capability {p.major}.{p.minor}"
+            )
     else:
         lines.append("CUDA: none available" + ("" if torch.version.cuda else " (this torch has no CUDA build)"))
     mps = getattr(torch.backends, "mps", None)
     lines.append(f"MPS (Apple): {'available' if mps is not None and mps.is_available() else 'not available'}")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    lines.append(f"CPU: {os.cpu_count()} cores, {usable} usable by this process, torch uses {torch.get_num_threads()} threads")
+    lines.append(
+        f"CPU: {os.cpu_count()} cores, {usable} usable by this process, torch uses {torch.get_num_threads()} threads"
+    )
     lines.append(f"Default trainer (accelerator=auto, devices=1) picks: {default_choice()}")
     return lines
 
@@ -30,8 +34,14 @@ def default_choice() -> str:
     import lightning.pytorch as L
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return f"{type(trainer.accelerator).__name__} on {trainer.strategy.root_device}"
 
 

@@ -28,7 +28,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         return read_metrics(Path(cfg.paths.output_dir))
     sharded = checkpoints.is_sharded(path)
     if sharded and not isinstance(trainer.strategy, ModelParallelStrategy):
-        raise UserError(f"ckpt_path={cfg.ckpt_path} is sharded (written by strategy=fsdp): evaluate it with trainer=fsdp "
-                        "(any number of devices; the shards are redistributed)")
+        raise UserError(
+            f"ckpt_path={cfg.ckpt_path} is sharded (written by strategy=fsdp): evaluate it with trainer=fsdp "
+            "(any number of devices; the shards are redistributed)"
+        )
     trainer.test(model, datamodule=datamodule, ckpt_path=str(path) if sharded else None)
     return write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json")

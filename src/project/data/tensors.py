@@ -88,12 +88,14 @@ class TensorDataModule(L.LightningDataModule):
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dataset = self.splits[name]
         # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        shard = getattr(strategy, "distributed_sampler_kwargs", None) if self.trainer and self.trainer.world_size > 1 else None
+        distributed = self.trainer is not None and self.trainer.world_size > 1
+        shard = self.trainer.strategy.distributed_sampler_kwargs if distributed else None
         if shard:
             # Our own DistributedSampler, because Lightning's replacement always shuffles training data and
             # would silently ignore shuffle=false. Same seed rule as Lightning's: the run's seed.
-            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **shard)
+            sampler = DistributedSampler(
+                dataset, shuffle=shuffle, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **shard
+            )
             return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=_batch_as_is)
 

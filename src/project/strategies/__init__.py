@@ -15,8 +15,9 @@ from project.strategies.dp import DataParallelStrategy
 def register() -> None:
     """Idempotent: safe to call from every process and every test."""
     DDPStrategy.register_strategies(StrategyRegistry)
-    StrategyRegistry.register("dp", DataParallelStrategy, description="DataParallel: one process, several GPUs",
-                              override=True)
+    StrategyRegistry.register(
+        "dp", DataParallelStrategy, description="DataParallel: one process, several GPUs", override=True
+    )
 
 
 register()

@@ -25,7 +25,16 @@ class DDPStrategy(LightningDDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("ddp", "popen"), ("ddp_spawn", "spawn"), ("ddp_fork", "fork"),
-                                   ("ddp_notebook", "fork")):
-            strategy_registry.register(name, cls, description=f"DDP ({start_method}), CPU-safe sync_batchnorm",
-                                       override=True, start_method=start_method)
+        for name, start_method in (
+            ("ddp", "popen"),
+            ("ddp_spawn", "spawn"),
+            ("ddp_fork", "fork"),
+            ("ddp_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP ({start_method}), CPU-safe sync_batchnorm",
+                override=True,
+                start_method=start_method,
+            )

@@ -54,7 +54,10 @@ def _split(obj: Any, n: int) -> list[Any]:
     if isinstance(obj, Tensor):
         return list(torch.chunk(obj, n))
     if isinstance(obj, tuple) and obj:
-        return [type(obj)(parts) if not hasattr(obj, "_fields") else type(obj)(*parts) for parts in zip(*(_split(o, n) for o in obj))]
+        chunks = zip(*(_split(o, n) for o in obj))
+        if hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+            return [type(obj)(*parts) for parts in chunks]
+        return [type(obj)(parts) for parts in chunks]
     if isinstance(obj, list) and obj:
         return [list(parts) for parts in zip(*(_split(o, n) for o in obj))]
     if isinstance(obj, dict) and obj:
@@ -174,10 +177,21 @@ class DataParallelStrategy(ParallelStrategy):
 
     strategy_name = "dp"
 
-    def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None, precision_plugin=None,
-                 ops: ReplicaOps | None = None) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        ops: ReplicaOps | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.ops = ops
 
     # One process: rank 0 of 1, whatever the cluster environment says.
@@ -223,9 +237,13 @@ class DataParallelStrategy(ParallelStrategy):
         self._launcher = None
 
     def setup(self, trainer: Any) -> None:
-        if len(self.parallel_devices) > 1 and any(getattr(m, "_compiled_call_impl", None) for m in self.lightning_module.modules()):
+        if len(self.parallel_devices) > 1 and any(
+            getattr(m, "_compiled_call_impl", None) for m in self.lightning_module.modules()
+        ):
             # A compiled forward is bound to the root module: every replica would run the root's weights.
-            raise MisconfigurationException("model.compile does not work with strategy=dp; use ddp, or model.compile=false")
+            raise MisconfigurationException(
+                "model.compile does not work with strategy=dp; use ddp, or model.compile=false"
+            )
         super().setup(trainer)
 
     def model_to_device(self) -> None:
@@ -270,14 +288,16 @@ class DataParallelStrategy(ParallelStrategy):
         self._log_on_root(module, [r.module for r in replicas], [records for _, records in results], sizes)
         return _combine([output for output, _ in results], sizes, self.root_device)
 
-    def _log_on_root(self, module: nn.Module, replicas: list[nn.Module], records: list[list[Record]],
-                     sizes: list[int]) -> None:
+    def _log_on_root(
+        self, module: nn.Module, replicas: list[nn.Module], records: list[list[Record]], sizes: list[int]
+    ) -> None:
         """Log once what every replica logged: metric states combined, plain values reduced by their reduce_fx."""
         names = [[name for name, _, _ in replica_records] for replica_records in records]
         if any(n != names[0] for n in names[1:]):
             raise MisconfigurationException(
                 f"strategy=dp: the replicas logged different keys ({names}); a step's self.log calls must not "
-                "depend on which part of the batch a replica got")
+                "depend on which part of the batch a replica got"
+            )
         total, root = sum(sizes), self.root_device
         paths = {id(m): p for p, m in replicas[0].named_modules()}
         combined: set[int] = set()
@@ -290,8 +310,11 @@ class DataParallelStrategy(ParallelStrategy):
                     combined.add(id(metric))
                 module.log(name, metric, **kwargs)
             else:
-                module.log(name, _reduce_values(values, sizes, kwargs.get("reduce_fx", "mean"), root),
-                           **{"batch_size": total, **kwargs})
+                module.log(
+                    name,
+                    _reduce_values(values, sizes, kwargs.get("reduce_fx", "mean"), root),
+                    **{"batch_size": total, **kwargs},
+                )
 
 
 def _combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device) -> None:
@@ -325,6 +348,7 @@ def _reduce_values(values: list[Any], sizes: list[int], reduce_fx: Any, root: to
         return stacked.amax(0)
     if fx == "min":
         return stacked.amin(0)
-    raise MisconfigurationException(f"strategy=dp cannot combine values logged with reduce_fx={reduce_fx!r}; "
-                                    "use mean, sum, max or min, or log a torchmetrics Metric")
-
+    raise MisconfigurationException(
+        f"strategy=dp cannot combine values logged with reduce_fx={reduce_fx!r}; "
+        "use mean, sum, max or min, or log a torchmetrics Metric"
+    )

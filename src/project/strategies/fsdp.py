@@ -20,11 +20,19 @@ from torch.distributed.constants import default_pg_timeout
 class FSDPStrategy(ModelParallelStrategy):
     """Pure data-parallel sharding: the device mesh is one dimension over all N processes."""
 
-    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+    def __init__(
+        self,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's "auto" makes the mesh nodes x devices (devices for tensor parallelism);
