@@ -66,7 +66,8 @@ class MNISTDataModule(TensorDataModule):
             for train in (True, False):
                 self._fetch(train, download=True)
         except Exception as e:  # urllib/HTTP errors of every kind: no network, proxy, mirror down
-            raise UserError(self._missing_message(f"download failed: {type(e).__name__}: {e}")) from e
+            reason = " ".join(f"download failed: {type(e).__name__}: {e}".split())  # torchvision: one line per mirror
+            raise UserError(self._missing_message(reason)) from e
 
     def load_splits(self) -> dict[str, TensorDataset]:
         try:
