@@ -29,7 +29,7 @@ tensorboard:  ## inspect every run under logs/
 	$(BIN)/tensorboard --logdir logs
 
 devices:  ## what this machine offers and what the default trainer would pick
-	$(BIN)/python -m project.devices
+	$(BIN)/python -m project.launch.devices
 
 clean:  ## remove run outputs (not data, not .venv)
 	rm -rf logs outputs multirun lightning_logs .pytest_cache

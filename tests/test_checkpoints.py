@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from project.checkpoints import check_readable, load_model
 from project.errors import UserError
+from project.runs.checkpoints import check_readable, load_model
 
 
 def test_a_checkpoint_naming_code_outside_the_project_is_not_built(tmp_path):

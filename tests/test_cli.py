@@ -182,7 +182,7 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_pat
 def test_devices_command_reports_the_machine(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "project.devices"], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "project.launch.devices"], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

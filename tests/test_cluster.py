@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TESTS, run_dirs
 
-from project import cluster
 from project.errors import UserError
+from project.launch import environment as cluster
 
 RUN = [
     "trainer=ddp",

@@ -9,9 +9,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from project import build
-from project.config.resolvers import unique_dir
 from project.errors import UserError
-from project.train import train
+from project.runs.dirs import unique_dir
+from project.tasks.train import train
 
 GROUPS = ["data", "model", "trainer", "precision", "callbacks", "logger", "paths", "debug", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((REPO / "conf" / g).glob("*.yaml"))]

@@ -12,8 +12,8 @@ from conftest import REPO, TESTS
 from hydra import compose, initialize_config_dir
 
 from project import build
-from project.checkpoints import resume_point
 from project.errors import UserError
+from project.runs.checkpoints import resume_point
 
 SLURM_ENV = {
     "SLURM_NTASKS": "1",

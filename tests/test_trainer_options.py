@@ -7,7 +7,7 @@ import torch
 
 from project import build
 from project.errors import UserError
-from project.train import train
+from project.tasks.train import train
 
 
 def test_bf16_mixed_reaches_the_trainer_and_trains_on_cpu(make_cfg, tmp_path):

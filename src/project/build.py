@@ -12,8 +12,8 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, ListConfig
 
-from project import cluster
 from project.errors import UserError
+from project.launch import environment
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
@@ -77,7 +77,7 @@ def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
 
-    cluster.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
+    environment.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     overrides = {**_fsdp_by_name(cfg), **_one_requeuing_party(cfg)}
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
@@ -97,7 +97,7 @@ def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
 def _one_requeuing_party(cfg: DictConfig) -> dict[str, Any]:
     """Under submitit, submitit requeues (its USR2 handler resubmits the job, which resumes from
     <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off."""
-    if not cluster.under_submitit() or cfg.get("plugins"):
+    if not environment.under_submitit() or cfg.get("plugins"):
         return {}
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 

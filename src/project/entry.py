@@ -4,7 +4,6 @@ import difflib
 import logging
 import os
 import re
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.errors import UserError
+from project.runs.dirs import remove_if_unused
 
 # Set by the user to see full tracebacks; copied at the first start so launched ranks keep it.
 FULL_ERROR = "PROJECT_FULL_ERROR"
@@ -52,7 +52,7 @@ def _composition_error(e: CompactHydraException) -> str:
 
 def cli(hydra_main: Callable[[], Any]) -> None:
     """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
-    from project.multirun import remember_entry_script
+    from project.launch.sweeps import remember_entry_script
 
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
@@ -65,19 +65,6 @@ def cli(hydra_main: Callable[[], Any]) -> None:
         message = _composition_error(e) if isinstance(e, CompactHydraException) else str(e)
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def _remove_if_unused(run_dir: Path) -> None:
-    """Remove the run dir of a run that failed before doing anything, if this process made it (not a dir the
-    user named, not a shared torchrun/srun dir, not a sweep job's dir) and it holds only Hydra's bookkeeping."""
-    from project.config.resolvers import CREATED
-
-    if str(run_dir.resolve()) not in CREATED or not run_dir.is_dir():
-        return
-    for path in run_dir.rglob("*"):
-        if path.is_file() and ".hydra" not in path.relative_to(run_dir).parts and path.suffix != ".log":
-            return
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _one_console_output() -> None:
@@ -99,7 +86,7 @@ def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         if _full_error():
             raise
         hc = HydraConfig.get()
-        _remove_if_unused(Path(hc.runtime.output_dir))
+        remove_if_unused(Path(hc.runtime.output_dir))
         print(f"error: {e}", file=sys.stderr)
         if hc.mode == RunMode.MULTIRUN:
             raise

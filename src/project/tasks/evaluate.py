@@ -4,10 +4,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from project import build, checkpoints, multirun
+from project import build
 from project.config.schema import check_keys
 from project.errors import UserError
-from project.results import read_metrics, write_metrics
+from project.launch import sweeps
+from project.runs import checkpoints
+from project.runs.results import read_metrics, write_metrics
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -23,8 +25,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     data_cfg = cfg.data if cfg.data is not None else OmegaConf.create(train_config["data"])
     datamodule = build.datamodule(data_cfg)
     trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"))
-    if multirun.is_multirun() and multirun.launches_rank_scripts(trainer):
-        multirun.run_job_in_fresh_process(None)
+    if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
+        sweeps.run_job_in_fresh_process(None)
         return read_metrics(Path(cfg.paths.output_dir))
     sharded = checkpoints.is_sharded(path)
     if sharded and not isinstance(trainer.strategy, ModelParallelStrategy):

@@ -6,9 +6,11 @@ from pathlib import Path
 import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
-from project import build, checkpoints, cluster, multirun
+from project import build
 from project.config.schema import check_keys
-from project.results import write_metrics
+from project.launch import environment, sweeps
+from project.runs import checkpoints
+from project.runs.results import write_metrics
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +20,7 @@ def train(cfg: DictConfig) -> float | None:
     check_keys(cfg)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = cfg.ckpt_path or checkpoints.resume_point(Path(cfg.paths.output_dir), cluster.restarted())
+    ckpt_path = cfg.ckpt_path or checkpoints.resume_point(Path(cfg.paths.output_dir), environment.restarted())
     if ckpt_path:
         checkpoints.check_same_model(ckpt_path, cfg.model)
         if cfg.train:
@@ -30,8 +32,8 @@ def train(cfg: DictConfig) -> float | None:
     # carries what rebuilds the model (project.checkpoints.load_model), loadable with weights_only=True.
     model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
     trainer = build.trainer(cfg.trainer, build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger"))
-    if multirun.is_multirun() and multirun.launches_rank_scripts(trainer):
-        return multirun.run_job_in_fresh_process(cfg.optimized_metric)
+    if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
+        return sweeps.run_job_in_fresh_process(cfg.optimized_metric)
 
     metrics: dict[str, float] = {}
     if cfg.train:
@@ -45,4 +47,4 @@ def train(cfg: DictConfig) -> float | None:
         metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json"))
         if best and trainer.is_global_zero:
             log.info("Tested %s", best)
-    return multirun.objective(metrics, cfg.optimized_metric)
+    return sweeps.objective(metrics, cfg.optimized_metric)

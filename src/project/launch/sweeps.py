@@ -99,6 +99,6 @@ def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
             f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "
             f"its error is printed above"
         )
-    from project.results import read_metrics
+    from project.runs.results import read_metrics
 
     return objective(read_metrics(run_dir), optimized_metric)

@@ -1,0 +1,1 @@
+"""A run's directory and what it holds: naming, resume policy, checkpoints, final metrics."""

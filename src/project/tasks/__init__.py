@@ -1,0 +1,1 @@
+"""What the entry points run: train (fit, then test) and evaluate (test a checkpoint)."""
