@@ -1,11 +1,13 @@
 """Shared fixtures: run the real entry points in a subprocess, or compose configs in-process."""
 
 import os
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -22,25 +24,25 @@ def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
     return sorted(p for p in (log_dir / task / "runs").glob("*") if p.is_dir())
 
 
+def test_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI run in a test: tests/ importable (for probes.* targets), nothing else changed."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
+
+
 @pytest.fixture
 def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
-    """Run `python <script> <overrides>` from the repo root with logs and data under tmp_path."""
+    """Run `python <repo>/<script> <overrides>` as a user would, from a fresh working directory (`cwd`,
+    tmp_path by default): logs/ and data/ land there by the config's own defaults."""
 
-    def run(script: str, *overrides: str, check: bool = True, env: dict | None = None, log_dir: Path | None = None):
-        log_dir = log_dir or tmp_path / "logs"
-        cmd = [
-            sys.executable,
-            str(REPO / script),
-            f"paths.log_dir={log_dir}",
-            f"paths.data_dir={tmp_path / 'data'}",
-            *overrides,
-        ]
-        full_env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-            **(env or {}),
-        }
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=full_env)
+    def run(script: str, *overrides: str, check: bool = True, env: dict | None = None, cwd: Path | None = None):
+        cwd = cwd or tmp_path
+        cwd.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(REPO / script), *overrides]
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=test_env(**(env or {})))
         if check and proc.returncode != 0:
             output = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{output}")
@@ -61,3 +63,19 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
         return cfg
 
     return make
+
+
+def write_idx(root: Path, folder: str, n_train: int, n_test: int = 100) -> dict[str, np.ndarray]:
+    """Tiny files in the real MNIST IDX format (big-endian magic, dims, uint8 data), as torchvision reads them."""
+    raw = root / folder / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        labels = (np.arange(n) % 10).astype(np.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.tobytes())
+        arrays[prefix] = images
+        arrays[f"{prefix}_labels"] = labels
+    return arrays

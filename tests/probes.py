@@ -1,4 +1,4 @@
-"""Test-only instruments for the DDP CLI test: they write what each rank saw into $PROBE_DIR."""
+"""Test-only instruments for CLI tests: callbacks that write what each rank saw into $PROBE_DIR."""
 
 import hashlib
 import json
@@ -60,6 +60,7 @@ class ShardProbe(L.Callback):
             "node_rank": trainer.node_rank,
             "environment": type(trainer.strategy.cluster_environment).__name__,
             "seed": seed,
+            "pl_global_seed": os.environ.get("PL_GLOBAL_SEED"),
             "seen": self.seen,
             "metrics": metrics,
         }
@@ -96,3 +97,38 @@ class PreemptionProbe(L.Callback):
         if trainer.current_epoch == 1 and trainer.ckpt_path is None:
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(30)  # SLURM ends the job after the requeue; here the fake scontrol does
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses of the sockets listening on `port`, from /proc/net/tcp and tcp6 (Linux)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+                found.append(".".join(str(b) for b in words[0]) if len(raw) == 4 else b"".join(words).hex())
+    return found
+
+
+class ListenProbe(L.Callback):
+    """Rank 0 writes where the rendezvous store (MASTER_PORT) listens, while the run is live."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            port = int(os.environ["MASTER_PORT"])
+            (probe_dir() / "listen.json").write_text(json.dumps(listening_addresses(port)))
+
+
+class DtypeProbe(L.Callback):
+    """Records the dtype of the net's output in training steps: what autocast really did."""
+
+    seen: set[str] = set()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.net.register_forward_hook(lambda module, args, out: DtypeProbe.seen.add(str(out.dtype)))

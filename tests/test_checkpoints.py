@@ -1,24 +1,153 @@
-"""Checkpoints are data: loading one never runs code the checkpoint names, and bad files fail by name."""
+"""Checkpoints are data: a checkpoint from someone else cannot make loading it run code, and bad files fail by
+name. Each hostile checkpoint below tries to write a file (or truncate one); none may succeed."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 from project.errors import UserError
 from project.runs.checkpoints import check_readable, load_model
 
+MLP_MODEL = {
+    "_target_": "project.models.classifier.ImageClassifier",
+    "net": {"_target_": "project.models.mlp.MLP", "hidden": [8]},
+    "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 0.01},
+}
 
-def test_a_checkpoint_naming_code_outside_the_project_is_not_built(tmp_path):
-    path = tmp_path / "evil.ckpt"
-    config = {
-        "model": {
-            "_target_": "project.models.classifier.ImageClassifier",
-            "net": {"_target_": "os.system", "command": "touch pwned"},
-        }
+
+def hostile_models(tmp: Path) -> dict[str, dict]:
+    """Model configs that would write tmp/<name>.pwned if built, each by another route."""
+    hub = tmp / "hub"
+    hub.mkdir()
+    (hub / "hubconf.py").write_text(f"open({str(tmp / 'hub.pwned')!r}, 'w')\n")
+    (tmp / "evil.py").write_text(f"open({str(tmp / 'import.pwned')!r}, 'w')\nclass Net:\n    pass\n")
+
+    def net(target: str, **kwargs) -> dict:
+        return {**MLP_MODEL, "net": {"_target_": target, **kwargs}}
+
+    return {
+        "system": net("os.system", command=f"touch {tmp / 'system.pwned'}"),
+        "subprocess": net("subprocess.Popen", args=["touch", str(tmp / "subprocess.pwned")]),
+        "inductor": net(
+            "torch._inductor.codecache.PyCodeCache.load", source_code=f"open({str(tmp / 'inductor.pwned')!r}, 'w')"
+        ),
+        "hub": net("torch.hub.load", repo_or_dir=str(hub), model="x", source="local"),
+        "import": net("evil.Net"),
+        "nested": {
+            **MLP_MODEL,
+            "net": {
+                "_target_": "project.models.mlp.MLP",
+                "hidden": {"_target_": "os.system", "command": f"touch {tmp / 'nested.pwned'}"},
+            },
+        },
+        "args": net(
+            "torch.nn.Sequential", _args_=[{"_target_": "os.system", "command": f"touch {tmp / 'args.pwned'}"}]
+        ),
+        "scheduler": {
+            **MLP_MODEL,
+            "scheduler": {"_target_": "os.system", "_partial_": True, "command": f"touch {tmp / 'scheduler.pwned'}"},
+        },
+        "resolver": net("project.models.mlp.MLP", in_features=f"${{run_dir:{tmp / 'resolver.pwned'}}}"),
+        "function": net("torch.nn.init.normal_"),  # allowed package, but a function, not a class
+        "not_a_lightning_module": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
     }
-    torch.save({"hyper_parameters": config, "state_dict": {}}, path)
-    with pytest.raises(UserError, match=r"refusing to build \['os.system'\]"):
+
+
+@pytest.fixture
+def hostile_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # `evil` would import if anything tried
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "system",
+        "subprocess",
+        "inductor",
+        "hub",
+        "import",
+        "nested",
+        "args",
+        "scheduler",
+        "resolver",
+        "function",
+        "not_a_lightning_module",
+    ],
+)
+def test_a_hostile_checkpoint_is_refused_and_runs_nothing(hostile_dir, name):
+    model = hostile_models(hostile_dir)[name]
+    path = hostile_dir / f"{name}.ckpt"
+    torch.save({"hyper_parameters": {"model": model}, "state_dict": {}}, path)
+    with pytest.raises(UserError, match="refused") as info:
         load_model(str(path))
-    assert not (tmp_path / "pwned").exists()
+    assert "\n" not in str(info.value)
+    assert list(hostile_dir.rglob("*.pwned")) == []
+    assert "evil" not in sys.modules
+
+
+class Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_pickled_object_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "pickle.ckpt"
+    torch.save({"hyper_parameters": {"model": MLP_MODEL}, "state_dict": {}, "x": Exploit(tmp_path / "p.pwned")}, path)
+    with pytest.raises(UserError, match="refused, it holds more than tensors and plain data") as info:
+        load_model(str(path))
+    assert "\n" not in str(info.value) and "weights_only` set to `False" not in str(info.value)
+    assert not (tmp_path / "p.pwned").exists()
+
+
+def test_a_checkpoint_of_this_project_loads_with_its_weights(tmp_path):
+    import hydra
+
+    model = hydra.utils.instantiate(MLP_MODEL)
+    path = tmp_path / "ok.ckpt"
+    torch.save({"hyper_parameters": {"model": MLP_MODEL}, "state_dict": model.state_dict()}, path)
+    loaded, config = load_model(str(path))
+    assert config["model"] == MLP_MODEL
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["model", "data"])
+def test_eval_py_refuses_a_hostile_checkpoint_and_touches_nothing(tmp_path, part):
+    import hydra
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    model_cfg = dict(MLP_MODEL)
+    data_cfg = {"_target_": "project.data.digits.DigitsDataModule"}
+    if part == "model":
+        model_cfg["net"] = {"_target_": "builtins.open", "file": str(victim), "mode": "w"}
+    else:
+        data_cfg = {"_target_": "builtins.open", "file": str(victim), "mode": "w"}
+    state = hydra.utils.instantiate(MLP_MODEL).state_dict()
+    path = tmp_path / "hostile.ckpt"
+    torch.save({"hyper_parameters": {"model": model_cfg, "data": data_cfg}, "state_dict": state}, path)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "eval.py"), f"ckpt_path={path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "builtins.open" in error and "refused" in error and "Traceback" not in proc.stderr
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("*.yaml"))
 
 
 def test_a_directory_without_shard_metadata_is_not_a_checkpoint(tmp_path):

@@ -12,6 +12,7 @@ from conftest import REPO, TESTS, run_dirs
 
 from project.errors import UserError
 from project.launch import environment as cluster
+from project.launch import processes
 
 RUN = [
     "trainer=ddp",
@@ -23,6 +24,7 @@ RUN = [
 ]
 SLURM_VARS = (
     "SLURM_NTASKS",
+    "SLURM_RESTART_COUNT",
     "SLURM_JOB_NAME",
     "SLURM_JOB_ID",
     "SLURM_STEP_ID",
@@ -50,37 +52,40 @@ def test_shared_run_name_comes_from_the_launcher(clean_env):
     clean_env.setenv("SLURM_NTASKS", "4")
     clean_env.setenv("SLURM_JOB_ID", "77")
     clean_env.setenv("SLURM_JOB_NAME", "train")
-    assert cluster.shared_run_name() == "slurm_77"
-    clean_env.setenv("SLURM_STEP_ID", "2")
-    assert cluster.shared_run_name() == "slurm_77_2"
+    assert cluster.shared_run_name() is None  # the batch script itself: one process, see test_dirs
+    assert cluster.slurm_batch_job() == "77"
+    clean_env.setenv("SLURM_STEP_ID", "4294967294")  # SLURM's id of the batch step
+    assert cluster.shared_run_name() is None
+    clean_env.setenv("SLURM_STEP_ID", "2")  # an srun step: every task of it shares the name
+    assert cluster.shared_run_name() == "slurm_77_2" and cluster.slurm_batch_job() is None
     clean_env.setenv("SLURM_JOB_NAME", "bash")  # an interactive allocation: not a launch
     assert cluster.shared_run_name() is None
 
 
 def test_dp_is_one_machine(clean_env):
     with pytest.raises(UserError, match="set trainer.num_nodes=1"):
-        cluster.check_process_count(2, 2, "dp")
+        processes.check_process_count(2, 2, "dp")
 
 
 def test_devices_must_match_what_the_launcher_started(clean_env):
     clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
     clean_env.setenv("WORLD_SIZE", "4")
-    cluster.check_process_count(2, 2, "ddp")
-    cluster.check_process_count("auto", 1, "ddp")
+    processes.check_process_count(2, 2, "ddp")
+    processes.check_process_count("auto", 1, "ddp")
     with pytest.raises(UserError, match=r"torchrun started 4 processes, but trainer.devices=2 x trainer.num_nodes=1"):
-        cluster.check_process_count(2, 1, "ddp")
+        processes.check_process_count(2, 1, "ddp")
     with pytest.raises(UserError, match="use trainer.strategy=ddp"):
-        cluster.check_process_count(4, 1, "ddp_spawn")
+        processes.check_process_count(4, 1, "ddp_spawn")
     with pytest.raises(UserError, match="dp runs its own processes, but torchrun already started 4"):
-        cluster.check_process_count(4, 1, "dp")
+        processes.check_process_count(4, 1, "dp")
     clean_env.delenv("TORCHELASTIC_RUN_ID")
     for k, v in {"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "t", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2"}.items():
         clean_env.setenv(k, v)
-    cluster.check_process_count(4, 2, "ddp")
+    processes.check_process_count(4, 2, "ddp")
     with pytest.raises(UserError, match="--ntasks-per-node=2"):
-        cluster.check_process_count(2, 2, "ddp")
+        processes.check_process_count(2, 2, "ddp")
     with pytest.raises(UserError, match="trainer.num_nodes=2"):
-        cluster.check_process_count(4, 1, "ddp")
+        processes.check_process_count(4, 1, "ddp")
 
 
 def free_port() -> int:

@@ -1,16 +1,16 @@
 """Every option of every config group composes and builds; bad keys fail by name."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, write_idx
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from project import build
 from project.errors import UserError
-from project.runs.dirs import unique_dir
 from project.tasks.train import train
 
 GROUPS = ["data", "model", "trainer", "precision", "callbacks", "logger", "paths", "debug", "experiment"]
@@ -23,12 +23,16 @@ def test_every_group_has_options():
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_and_builds(make_cfg, group, option):
-    cfg = make_cfg(f"{group}={option}")
-    if cfg.trainer.devices not in (1, "auto") and cfg.trainer.strategy != "dp" and torch.cuda.device_count() < 2:
+def test_option_composes_builds_and_trains(make_cfg, tmp_path, group, option):
+    """Each option alone on top of the defaults: it composes, builds, and (where one CPU process can run it)
+    fits and tests a few batches for real, loggers and checkpoints included."""
+    cfg = make_cfg(f"{group}={option}", "profile=tiny", "trainer.max_epochs=1")
+    if "MNISTDataModule" in cfg.data._target_:
+        write_idx(Path(cfg.paths.data_dir), cfg.data.dataset, n_train=cfg.data.val_size + 100)
+    processes = cfg.trainer.devices not in (1, "auto") and cfg.trainer.strategy != "dp"
+    if processes and torch.cuda.device_count() < 2:
         cfg.trainer.accelerator = "cpu"  # multi-device options build on CPU processes where GPUs are too few
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
-    datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     callbacks, loggers = build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger")
@@ -39,7 +43,14 @@ def test_option_composes_and_builds(make_cfg, group, option):
         return
     trainer = build.trainer(cfg.trainer, callbacks, loggers)
     assert Path(trainer.default_root_dir) == Path(cfg.paths.output_dir)
-    assert datamodule.batch_size >= 1
+    if processes:
+        return  # several processes: the CLI tests run these (tests/test_cli.py, test_fsdp.py, test_sweeps.py)
+    train(cfg)
+    metrics = json.loads((tmp_path / "out" / "test_metrics.json").read_text())
+    assert 0.0 <= metrics["test/acc"] <= 1.0 and metrics["test/loss"] > 0
+    checkpointed = list((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
+    checkpointing = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks) and not trainer.fast_dev_run
+    assert bool(checkpointed) == checkpointing
 
 
 def test_eval_config_composes(make_cfg):
@@ -70,10 +81,3 @@ def test_bad_value_is_one_line_user_error(make_cfg):
     with pytest.raises(UserError, match="data: ValueError: batch_size must be >= 1") as info:
         train(make_cfg("data.batch_size=0"))
     assert "\n" not in str(info.value)
-
-
-def test_unique_dir_never_hands_out_the_same_dir_twice(tmp_path: Path):
-    base = str(tmp_path / "runs" / "2026-01-01_00-00-00")
-    first, second, third = unique_dir(base), unique_dir(base), unique_dir(base)
-    assert len({first, second, third}) == 3
-    assert all(Path(p).is_dir() for p in (first, second, third))

@@ -1,12 +1,9 @@
 """Data modules: real splits, batching by indexing, DDP shards, and the real MNIST file format."""
 
-import struct
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 import torchvision
+from conftest import write_idx
 from torch.utils.data import DataLoader, DistributedSampler
 
 from project.data.digits import DigitsDataModule, read_mnist_5k
@@ -80,25 +77,9 @@ def test_distributed_sampler_gives_each_rank_its_own_shard_reshuffled_per_epoch(
     assert per_epoch[0] != per_epoch[1]
 
 
-def write_idx(root: Path, folder: str, n_train: int = 20, n_test: int = 10) -> dict[str, np.ndarray]:
-    """Tiny files in the real MNIST IDX format (big-endian magic, dims, uint8 data), as torchvision reads them."""
-    raw = root / folder / "raw"
-    raw.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    arrays = {}
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
-        labels = (np.arange(n) % 10).astype(np.uint8)
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes())
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.tobytes())
-        arrays[prefix] = images
-        arrays[f"{prefix}_labels"] = labels
-    return arrays
-
-
 @pytest.mark.parametrize("dataset", ["MNIST", "FashionMNIST"])
 def test_mnist_format_files_load_through_torchvision(tmp_path, dataset):
-    arrays = write_idx(tmp_path, dataset)
+    arrays = write_idx(tmp_path, dataset, n_train=20, n_test=10)
     dm = MNISTDataModule(dataset=dataset, data_dir=str(tmp_path), download=False, val_size=5, batch_size=4)
     dm.prepare_data()
     dm.setup("fit")

@@ -155,3 +155,23 @@ def test_dp_on_two_gpus_trains_like_one():
     torch.testing.assert_close(torch.tensor(dp_losses), torch.tensor(single_losses), atol=1e-4, rtol=0)
     assert dp_metrics["val/acc"] == pytest.approx(single_metrics["val/acc"], abs=1e-3)
     assert dp_metrics["seen"] == 50
+
+
+def test_simulated_replicas_keep_batchnorm_statistics_like_torch_does():
+    """torch's replicate hands replica 0 the root's buffers and the others copies: after a dp step the root's
+    running statistics are those of replica 0's chunk only."""
+    from project.models.lenet import LeNet
+    from project.strategies.dp import _replicate_sharing_parameters
+
+    torch.manual_seed(0)
+    net = LeNet().train()
+    reference = LeNet().train()
+    reference.load_state_dict(net.state_dict())
+    chunks = torch.randn(2, 4, 1, 28, 28).unbind(0)
+    for replica, chunk in zip(_replicate_sharing_parameters(net, 2), chunks):
+        replica(chunk)
+    reference(chunks[0])
+    bn, expected = net.features[1], reference.features[1]
+    assert int(bn.num_batches_tracked) == 1  # one update, not one per replica
+    torch.testing.assert_close(bn.running_mean, expected.running_mean)
+    torch.testing.assert_close(bn.running_var, expected.running_var)

@@ -49,7 +49,7 @@ SETUPS = {
 def train(cli, tmp_path: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     probe = tmp_path / name
     probe.mkdir()
-    cli("train.py", *COMMON, *SETUPS[name], env={"PROBE_DIR": str(probe)}, log_dir=tmp_path / "logs" / name)
+    cli("train.py", *COMMON, *SETUPS[name], env={"PROBE_DIR": str(probe)}, cwd=tmp_path / name)
     return json.loads((probe / "losses.json").read_text()), torch.load(probe / "weights.pt", weights_only=True)
 
 

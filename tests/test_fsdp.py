@@ -36,8 +36,8 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
     assert meta["epoch"] == 2 and meta["hyper_parameters"]["trainer"]["strategy"]["_target_"].endswith("FSDPStrategy")
 
     resumed_logs = tmp_path / "resumed"
-    cli("train.py", *FSDP, f"ckpt_path={last}", "trainer.max_epochs=4", log_dir=resumed_logs)
-    (resumed,) = run_dirs(resumed_logs)
+    cli("train.py", *FSDP, f"ckpt_path={last}", "trainer.max_epochs=4", cwd=resumed_logs)
+    (resumed,) = run_dirs(resumed_logs / "logs")
     meta2 = torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
     assert meta2["epoch"] == 3 and meta2["global_step"] == meta["global_step"] + meta["global_step"] // 3
 
@@ -51,15 +51,15 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
         "trainer.accelerator=cpu",
         "trainer.devices=1",
         "+trainer.limit_test_batches=4",
-        log_dir=eval_logs,
+        cwd=eval_logs,
     )
-    (evaluated,) = run_dirs(eval_logs, task="eval")
+    (evaluated,) = run_dirs(eval_logs / "logs", task="eval")
     assert (
         json.loads((evaluated / "test_metrics.json").read_text())["test/acc"]
         == json.loads((run / "test_metrics.json").read_text())["test/acc"]
     )
 
-    refused = cli("eval.py", f"ckpt_path={best}", check=False, log_dir=eval_logs)
+    refused = cli("eval.py", f"ckpt_path={best}", check=False, cwd=eval_logs)
     assert refused.returncode == 2 and "evaluate it with trainer=fsdp" in refused.stderr
 
 

@@ -12,8 +12,7 @@ from conftest import REPO, TESTS
 from hydra import compose, initialize_config_dir
 
 from project import build
-from project.errors import UserError
-from project.runs.checkpoints import resume_point
+from project.runs.resume import resume_point
 
 SLURM_ENV = {
     "SLURM_NTASKS": "1",
@@ -58,19 +57,22 @@ def test_only_one_party_requeues(make_cfg, monkeypatch, submitit, lightning_requ
 
 
 def test_only_a_restarted_job_resumes_from_its_own_dir(tmp_path):
-    assert resume_point(tmp_path, restarted=False) is None
+    assert resume_point(tmp_path, restarted=False, ckpt_path=None) is None
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) is None  # restarted before any checkpoint
+    assert resume_point(tmp_path, restarted=True, ckpt_path="start.ckpt") == "start.ckpt"
     (tmp_path / "checkpoints").mkdir()
     torch.save({"epoch": 1}, tmp_path / "checkpoints" / "epoch_001.ckpt")
     torch.save({"epoch": 2}, tmp_path / "checkpoints" / "last.ckpt")
-    assert resume_point(tmp_path, restarted=True) == str(tmp_path / "checkpoints" / "last.ckpt")
-    # a new run in a reused dir (same --rdzv-id, same job id) must not continue someone else's run
-    with pytest.raises(UserError, match="already holds checkpoints of an earlier run: to continue it pass ckpt_path="):
-        resume_point(tmp_path, restarted=False)
+    last = str(tmp_path / "checkpoints" / "last.ckpt")
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == last
+    # started with ckpt_path=X and requeued: its own progress wins, or every requeue would start over from X
+    assert resume_point(tmp_path, restarted=True, ckpt_path="start.ckpt") == last
+    assert resume_point(tmp_path, restarted=False, ckpt_path="start.ckpt") == "start.ckpt"
     # the job was killed while writing last.ckpt: continue from the newest readable one
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"PK\x03\x04 torn")
-    assert resume_point(tmp_path, restarted=True) == str(tmp_path / "checkpoints" / "epoch_001.ckpt")
-    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"")  # Lightning's requeue checkpoint: Lightning restores it
-    assert resume_point(tmp_path, restarted=True) is None
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(tmp_path / "checkpoints" / "epoch_001.ckpt")
+    torch.save({"epoch": 3}, tmp_path / "hpc_ckpt_1.ckpt")  # Lightning's requeue checkpoint, the newest
+    assert resume_point(tmp_path, restarted=True, ckpt_path="start.ckpt") == str(tmp_path / "hpc_ckpt_1.ckpt")
 
 
 def slurm_job(tmp_path: Path, extra_env: dict) -> subprocess.CompletedProcess:

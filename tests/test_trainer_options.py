@@ -10,10 +10,19 @@ from project.errors import UserError
 from project.tasks.train import train
 
 
-def test_bf16_mixed_reaches_the_trainer_and_trains_on_cpu(make_cfg, tmp_path):
-    cfg = make_cfg("precision=bf16_mixed", "model=lenet", "debug=fdr", "trainer.accelerator=cpu")
-    assert build.trainer(cfg.trainer, [], []).precision == "bf16-mixed"
+def test_bf16_mixed_computes_in_bfloat16_on_cpu(make_cfg, tmp_path):
+    from probes import DtypeProbe
+
+    DtypeProbe.seen.clear()
+    cfg = make_cfg(
+        "precision=bf16_mixed",
+        "model=lenet",
+        "debug=fdr",
+        "trainer.accelerator=cpu",
+        "+callbacks.dtype._target_=probes.DtypeProbe",
+    )
     train(cfg)
+    assert DtypeProbe.seen == {"torch.bfloat16"}  # autocast ran: the net's outputs are bfloat16
     assert torch.isfinite(torch.tensor(json.loads((tmp_path / "out" / "test_metrics.json").read_text())["test/loss"]))
 
 

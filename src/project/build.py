@@ -1,4 +1,4 @@
-"""Builds every component from its config node, checking each key against its `_target_` first.
+"""Builds every component from its config node, checking each key and value against its `_target_` first.
 
 One place, one order (data, model, callbacks, loggers, trainer); components receive plain
 arguments, never the whole config. A bad key or value ends as a UserError naming the field.
@@ -6,20 +6,86 @@ arguments, never the whole config. A bad key or value ends as a UserError naming
 
 import difflib
 import inspect
+import logging
+import types
+import typing
+from collections.abc import Sequence
 from typing import Any
 
 import hydra
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from project.errors import UserError
-from project.launch import environment
+from project.launch import processes
+
+log = logging.getLogger(__name__)
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
+def _describe(annotation: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    if annotation in names:
+        return names[annotation]
+    if typing.get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple, Sequence):
+        return "a list"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _fits(value: Any, annotation: Any) -> bool | None:
+    """Does a config value fit a parameter's annotation? None when the annotation says nothing we can check
+    from config values (classes, callables): those are left to the target itself."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_fits(value, a) for a in args]
+        return True if True in verdicts else (None if None in verdicts else False)
+    if origin is typing.Literal:
+        return value in args and type(value) in {type(a) for a in args}
+    if annotation is type(None) or annotation is None:
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False if isinstance(value, (int, float, str, bool)) or value is None else None
+        inner = [a for a in args if a is not Ellipsis]
+        if len(inner) == 1:
+            verdicts = [_fits(v, inner[0]) for v in value]
+            return False if False in verdicts else (None if None in verdicts else True)
+        return None
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        # a primitive where the annotation wants an object it cannot be: only sure for numbers vs str and back
+        return None
+    return None
+
+
+def _signature(obj: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(obj, eval_str=True)
+    except Exception:  # builtins without a signature, unresolvable annotations: let instantiate judge
+        try:
+            return inspect.signature(obj)
+        except (TypeError, ValueError):
+            return None
+
+
 def check_options(node: Any, where: str) -> None:
-    """Every key of a `_target_` node must be a parameter of its target: `max_epoch` fails here, by name."""
+    """Every key of a `_target_` node must be a parameter of its target, and every plain value must fit its
+    annotation: `max_epoch=3` and `max_epochs=many` fail here, by name, before anything is built."""
     if isinstance(node, ListConfig):
         for i, item in enumerate(node):
             check_options(item, f"{where}[{i}]")
@@ -32,10 +98,8 @@ def check_options(node: Any, where: str) -> None:
             obj = hydra.utils.get_object(target)
         except Exception as e:
             raise UserError(f"{where}._target_: cannot import {target!r} ({e})") from e
-        try:
-            params = inspect.signature(obj).parameters
-        except (TypeError, ValueError):  # builtins without a signature: let instantiate judge
-            params = None
+        signature = _signature(obj)
+        params = signature.parameters if signature is not None else None
         if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             for key in node:
                 if key in _HYDRA_KEYS or key in params:
@@ -43,19 +107,69 @@ def check_options(node: Any, where: str) -> None:
                 close = difflib.get_close_matches(str(key), list(params), n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"its options are: {', '.join(params)}"
                 raise UserError(f"{where}.{key}: {target} has no option {key!r}; {hint}")
+        for key in node if params is not None else ():
+            child = node._get_node(key)
+            if key in _HYDRA_KEYS or key not in params or isinstance(child, DictConfig):
+                continue
+            value = OmegaConf.to_container(child, resolve=True) if isinstance(child, ListConfig) else node[key]
+            if _fits(value, params[key].annotation) is False:
+                source = f" (from {child._value()})" if OmegaConf.is_interpolation(node, key) else ""
+                raise UserError(
+                    f"{where}.{key}={value!r}{source}: {target} expects {_describe(params[key].annotation)} "
+                    f"for {key!r}"
+                )
     for key, value in node.items_ex(resolve=False):
         check_options(value, f"{where}.{key}")
 
 
+def _check_factories(node: Any, where: str) -> None:
+    """Optimizers and schedulers are partials that Lightning completes only inside fit; build each once
+    on a stand-in parameter now, so `lr=-1` fails at start with the optimizer's own words."""
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            _check_factories(item, f"{where}[{i}]")
+        return
+    if not isinstance(node, DictConfig):
+        return
+    if "_target_" in node and node.get("_partial_", False):
+        import torch
+
+        cls = hydra.utils.get_object(node._target_)
+        if inspect.isclass(cls):
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+            trial = None
+            if issubclass(cls, torch.optim.Optimizer):
+                trial = lambda factory: factory([torch.nn.Parameter(torch.zeros(1))])  # noqa: E731
+            elif issubclass(cls, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+                trial = lambda factory: factory(optimizer)  # noqa: E731
+            if trial is not None:
+                try:
+                    trial(hydra.utils.instantiate(node))
+                except (ValueError, TypeError) as e:
+                    raise UserError(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}") from e
+    for key, value in node.items_ex(resolve=False):
+        _check_factories(value, f"{where}.{key}")
+
+
 def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
-    """hydra.utils.instantiate with the option check first and Hydra's multi-line errors folded into one."""
+    """hydra.utils.instantiate with the option checks first and Hydra's multi-line errors folded into one."""
     check_options(node, where)
+    _check_factories(node, where)
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         message = " ".join(str(cause).split())
         raise UserError(f"{where}: {type(cause).__name__}: {message}") from e
+
+
+def check(cfg: DictConfig) -> None:
+    """Every component config of a run, before any is built; the trainer's first, since others refer to it
+    (`T_max: ${trainer.max_epochs}`), so a bad value is reported where it was typed."""
+    for group in ("trainer", "data", "model", "callbacks", "logger"):
+        if cfg.get(group) is not None:
+            check_options(cfg[group], group)
+            _check_factories(cfg[group], group)
 
 
 def datamodule(cfg: DictConfig) -> Any:
@@ -73,16 +187,41 @@ def named(cfg: DictConfig | None, group: str) -> list[Any]:
     return [instantiate(node, f"{group}.{name}") for name, node in (cfg or {}).items() if node is not None]
 
 
-def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> Any:
+def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any], launch: Any = None) -> Any:
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
 
-    environment.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
-    overrides = {**_fsdp_by_name(cfg), **_one_requeuing_party(cfg)}
+    processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
+    callbacks = _callbacks_for(callbacks, loggers)
+    overrides = {**_fsdp_by_name(cfg), **_one_requeuing_party(cfg), **_checkpointing(cfg, callbacks)}
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
     _check_precision(cfg, built)
+    _check_processes(built, launch)
     return built
+
+
+def _callbacks_for(callbacks: list[Any], loggers: list[Any]) -> list[Any]:
+    """A learning-rate monitor writes to the loggers; with `logger=none` it has nowhere to write (and Lightning
+    would stop the run for it), so it is left out, and the log says so."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    if loggers:
+        return callbacks
+    dropped = [c for c in callbacks if isinstance(c, LearningRateMonitor)]
+    if dropped:
+        log.info("No logger: the learning-rate monitor is left out (it writes only to loggers).")
+    return [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+
+
+def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> dict[str, Any]:
+    """Checkpoints are what the callbacks config says: Lightning would add a ModelCheckpoint of its own
+    to `callbacks=none`."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if "enable_checkpointing" in cfg:
+        return {}
+    return {"enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks)}
 
 
 def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
@@ -97,6 +236,8 @@ def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
 def _one_requeuing_party(cfg: DictConfig) -> dict[str, Any]:
     """Under submitit, submitit requeues (its USR2 handler resubmits the job, which resumes from
     <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off."""
+    from project.launch import environment
+
     if not environment.under_submitit() or cfg.get("plugins"):
         return {}
     from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -111,3 +252,17 @@ def _check_precision(cfg: DictConfig, built: Any) -> None:
             f"trainer.precision={cfg.precision} needs a CUDA GPU (loss-scaled float16); "
             f"on {built.strategy.root_device.type} use precision=bf16_mixed"
         )
+
+
+def _check_processes(built: Any, launch: Any) -> None:
+    """What the resolved trainer will start: CPU processes vs cores, and where several nodes meet."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    allow = bool(launch.allow_oversubscribe) if launch is not None else False
+    launcher = getattr(built.strategy, "launcher", None)
+    if isinstance(built.accelerator, CPUAccelerator) and launcher is not None:
+        processes.check_cpu_processes(built.num_devices, allow)
+    if built.num_nodes > 1:
+        processes.check_node_meeting(built.num_nodes, type(built.strategy.cluster_environment).__name__)
+    if launch is not None and hasattr(built.strategy, "rendezvous_timeout_s"):
+        built.strategy.rendezvous_timeout_s = int(launch.rendezvous_timeout_s)

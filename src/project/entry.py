@@ -14,14 +14,16 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.errors import UserError
+from project.errors import UserError, exit_with
 from project.runs.dirs import remove_if_unused
 
 # Set by the user to see full tracebacks; copied at the first start so launched ranks keep it.
 FULL_ERROR = "PROJECT_FULL_ERROR"
+# A config of conf/profile/ applied to every command (PROJECT_PROFILE=tiny: the test suite's small sizes).
+PROFILE = "PROJECT_PROFILE"
 
 
-def _full_error() -> bool:
+def full_error() -> bool:
     return os.environ.get(FULL_ERROR) == "1"
 
 
@@ -50,21 +52,40 @@ def _composition_error(e: CompactHydraException) -> str:
     return message
 
 
+def _user_error_in(e: BaseException) -> UserError | None:
+    """A UserError raised inside a resolver or a Hydra callback arrives wrapped by OmegaConf or Hydra."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _with_profile(argv: list[str]) -> list[str]:
+    """$PROJECT_PROFILE=<name> adds `profile=<name>` (conf/profile/): the documented way to shrink every command,
+    for tests. Ranks and sweep jobs that a run starts inherit both the variable and the override."""
+    profile = os.environ.get(PROFILE)
+    if not profile or any(arg.startswith("profile=") for arg in argv[1:]):
+        return argv
+    return [*argv, f"profile={profile}"]
+
+
 def cli(hydra_main: Callable[[], Any]) -> None:
     """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
     from project.launch.sweeps import remember_entry_script
 
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
+    sys.argv = _with_profile(sys.argv)
     remember_entry_script()
     try:
         hydra_main()
-    except (CompactHydraException, UserError) as e:  # UserError arrives here from a failed sweep job
-        if _full_error():
+    except Exception as e:
+        user_error = _user_error_in(e)
+        if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
             raise
-        message = _composition_error(e) if isinstance(e, CompactHydraException) else str(e)
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
 
 
 def _one_console_output() -> None:
@@ -83,11 +104,11 @@ def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     try:
         return task(cfg)
     except UserError as e:
-        if _full_error():
+        if full_error():
             raise
         hc = HydraConfig.get()
         remove_if_unused(Path(hc.runtime.output_dir))
-        print(f"error: {e}", file=sys.stderr)
         if hc.mode == RunMode.MULTIRUN:
+            print(f"error: {e}", file=sys.stderr)
             raise
-        raise SystemExit(2) from None
+        exit_with(e)

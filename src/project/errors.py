@@ -1,5 +1,15 @@
-"""The one exception type for mistakes a user can fix (config, paths, hardware)."""
+"""The one exception type for mistakes a user can fix (config, paths, hardware), and how it ends a process."""
+
+import sys
+from typing import NoReturn
 
 
 class UserError(Exception):
     """A bad input. The message says what is wrong and how to fix it; entry points print it as one line."""
+
+
+def exit_with(error: UserError) -> NoReturn:
+    """`error: <message>` on stderr and exit code 2: how every refused run ends. SystemExit, unlike an
+    exception, also passes through code that turns exceptions into warnings (Hydra's callbacks)."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)

@@ -2,9 +2,11 @@
 
 from omegaconf import OmegaConf
 
-from project.runs.dirs import run_dir
+from project.runs.dirs import cwd, run_dir
 
 
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_dir, use_cache=True)
+    if not OmegaConf.has_resolver("cwd"):
+        OmegaConf.register_new_resolver("cwd", cwd, use_cache=True)

@@ -1,7 +1,8 @@
 """Typed top level of train.yaml and eval.yaml: Hydra rejects unknown keys and wrong types at compose time.
 
-The groups (data, model, trainer, ...) are typed by their `_target_`; project.build checks their keys
-against the target's signature before anything is built.
+The groups (data, model, trainer, ...) are typed by their `_target_`; project.build checks their keys and
+values against the target's signature before anything is built. What a type cannot say (a seed's range,
+a required key left out) is checked by `check_config`, first thing in every task.
 """
 
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -12,6 +13,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from project.errors import UserError
 
+# What a missing mandatory key means to a user.
+_REQUIRED_HINTS = {
+    "ckpt_path": "pass the checkpoint to use: ckpt_path=<run>/checkpoints/last.ckpt",
+}
+SEED_RANGE = (0, 2**32 - 1)  # what numpy, and so Lightning's seed_everything, accepts
+
 
 @dataclass
 class PathsConfig:
@@ -19,6 +26,14 @@ class PathsConfig:
     data_dir: str = MISSING
     log_dir: str = MISSING
     output_dir: str = MISSING
+
+
+@dataclass
+class LaunchConfig:
+    """How processes are started and meet: settings of this project, not of Lightning's Trainer."""
+
+    allow_oversubscribe: bool = False  # more CPU processes than cores: refused unless true
+    rendezvous_timeout_s: int = 300  # how long ranks wait for each other (other nodes) before giving up
 
 
 @dataclass
@@ -34,6 +49,7 @@ class TrainConfig:
     trainer: Any = MISSING
     callbacks: Any = field(default_factory=dict)
     logger: Any = field(default_factory=dict)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
@@ -45,6 +61,7 @@ class EvalConfig:
     data: Any = None  # None: the data config stored in the checkpoint
     trainer: Any = MISSING
     logger: Any = field(default_factory=dict)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
@@ -69,3 +86,18 @@ def check_keys(cfg: DictConfig, where: str = "") -> None:
         child = cfg._get_node(key)
         if isinstance(child, DictConfig):
             check_keys(child, f"{path}.")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything about the run config that needs no import of torch or Lightning, before any work."""
+    check_keys(cfg)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        key = missing[0]
+        raise UserError(f"{key}: required; {_REQUIRED_HINTS.get(key, f'set it: {key}=...')}")
+    seed = cfg.get("seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        low, high = SEED_RANGE
+        raise UserError(f"seed={seed}: a seed is an integer from {low} to {high} (or null: unseeded)")
+    if cfg.launch.rendezvous_timeout_s <= 0:
+        raise UserError(f"launch.rendezvous_timeout_s={cfg.launch.rendezvous_timeout_s}: must be a positive number")

@@ -70,6 +70,7 @@ class TensorDataModule(L.LightningDataModule):
         self.on_device = on_device
         self.shuffle = shuffle
         self.splits: dict[str, TensorDataset] = {}
+        self._seed: int | None = None
 
     def load_splits(self) -> dict[str, TensorDataset]:
         """Return the 'train', 'val' and 'test' splits, read from disk (never downloaded: see prepare_data)."""
@@ -85,19 +86,30 @@ class TensorDataModule(L.LightningDataModule):
                 splits = {name: ds.to(device) for name, ds in splits.items()}
         self.splits = splits
 
+    def _order_seed(self) -> int:
+        """The seed of the training order: the run's seed, or (seed=null) a fresh one drawn by rank 0 and
+        shared, so that the ranks' shards still split one permutation."""
+        if self._seed is None:
+            seed = os.environ.get("PL_GLOBAL_SEED")
+            drawn = int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little")
+            strategy = self.trainer.strategy if self.trainer is not None else None
+            self._seed = (
+                int(strategy.broadcast(drawn)) if strategy is not None and self.trainer.world_size > 1 else drawn
+            )
+        return self._seed
+
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dataset = self.splits[name]
-        # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
         distributed = self.trainer is not None and self.trainer.world_size > 1
-        shard = self.trainer.strategy.distributed_sampler_kwargs if distributed else None
-        if shard:
-            # Our own DistributedSampler, because Lightning's replacement always shuffles training data and
-            # would silently ignore shuffle=false. Same seed rule as Lightning's: the run's seed.
-            sampler = DistributedSampler(
-                dataset, shuffle=shuffle, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **shard
-            )
-            return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=_batch_as_is)
+        shard = (self.trainer.strategy.distributed_sampler_kwargs if distributed else None) or {
+            "num_replicas": 1,
+            "rank": 0,
+        }
+        # One seeded permutation per epoch, cut into shards: on one device or N, the global batches are the
+        # same. (Lightning's own sampler for ddp would also always shuffle, ignoring shuffle=false.)
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self._order_seed() if shuffle else 0, **shard)
+        # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=self.shuffle)

@@ -1,4 +1,4 @@
-"""`python -m project.devices`: what this machine offers, and what `trainer=default` would use."""
+"""`python -m project.launch.devices`: what this machine offers, and what `trainer=default` would use."""
 
 import logging
 import os
@@ -9,7 +9,8 @@ def describe() -> list[str]:
 
     lines = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    lines.append(f"CUDA_VISIBLE_DEVICES: {visible if visible is not None else '(not set: every GPU is visible)'}")
+    shown = {None: "(not set: every GPU is visible)", "": "(empty: no GPU is visible)"}.get(visible, visible)
+    lines.append(f"CUDA_VISIBLE_DEVICES: {shown}")
     if torch.cuda.is_available():
         lines.append(f"CUDA: {torch.cuda.device_count()} device(s), torch built for CUDA {torch.version.cuda}")
         for i in range(torch.cuda.device_count()):

@@ -1,14 +1,13 @@
-"""Who started this process (torchrun, SLURM's srun, submitit, or us), and what that implies. No torch imports.
+"""Who started this process (torchrun, SLURM's srun or sbatch, submitit, or us). No torch imports.
 
 Processes started by an external launcher each compose their own config, so anything they must agree
-on (the run dir) comes from the launcher's environment, and the trainer's devices x num_nodes must
-match the processes the launcher made. Checked here, before the Trainer, with the flags that fix it.
+on (the run dir) comes from the launcher's environment.
 """
 
 import os
-from typing import Any
 
-from project.errors import UserError
+# SLURM's step id of the batch script itself (0xfffffffe); srun steps count 0, 1, 2, ...
+_SLURM_BATCH_STEP = "4294967294"
 
 
 def under_torchrun() -> bool:
@@ -45,61 +44,22 @@ def shared_run_name() -> str | None:
         if run_id == "none":  # static rendezvous without --rdzv-id: the local ranks share their agent
             run_id = f"{os.uname().nodename}-{os.getppid()}"
         return f"torchrun_{run_id}"
-    if under_slurm() and "SLURM_JOB_ID" in env:
-        step = env.get("SLURM_STEP_ID", "")
-        return f"slurm_{env['SLURM_JOB_ID']}" + (f"_{step}" if step.isdigit() else "")
+    step = slurm_step()
+    if step is not None:
+        return f"slurm_{env['SLURM_JOB_ID']}_{step}"
     return None
 
 
-def _count(devices: Any) -> int | None:
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if isinstance(devices, str) and devices.strip().isdigit():
-        return int(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    if not isinstance(devices, (str, int)) and hasattr(devices, "__len__"):
-        return len(devices)
-    return None  # "auto", -1: Lightning decides
+def slurm_step() -> str | None:
+    """The srun step this process belongs to; None outside SLURM and in the batch script itself."""
+    step = os.environ.get("SLURM_STEP_ID", "")
+    if under_slurm() and "SLURM_JOB_ID" in os.environ and step.isdigit() and step != _SLURM_BATCH_STEP:
+        return step
+    return None
 
 
-def check_process_count(devices: Any, num_nodes: int, strategy: Any) -> None:
-    """The trainer must ask for exactly the processes the external launcher made."""
-    env = os.environ
-    if strategy == "dp" and num_nodes > 1:
-        raise UserError(
-            "trainer.strategy=dp drives the GPUs of one machine from one process: set "
-            "trainer.num_nodes=1, or use trainer.strategy=ddp across nodes"
-        )
-    if under_torchrun():
-        launcher, started = "torchrun", int(env.get("WORLD_SIZE", "1"))
-        fix = "trainer.devices=<--nproc_per_node> trainer.num_nodes=<--nnodes>"
-    elif under_slurm() and int(env.get("SLURM_NTASKS", "1")) > 1:
-        launcher, started = "srun", int(env["SLURM_NTASKS"])
-        fix = "trainer.devices=<--ntasks-per-node> trainer.num_nodes=<--nodes>"
-    else:
-        return
-    if isinstance(strategy, str) and ("spawn" in strategy or strategy in ("ddp_fork", "ddp_notebook", "dp")):
-        raise UserError(
-            f"trainer.strategy={strategy} runs its own processes, but {launcher} already started "
-            f"{started}: use trainer.strategy=ddp (or fsdp)"
-        )
-    n = _count(devices)
-    if launcher == "srun":
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "4(x2)" on heterogeneous allocations
-        nodes = env.get("SLURM_NNODES", "")
-        if n is not None and per_node.isdigit() and int(per_node) != n:
-            raise UserError(
-                f"srun started {per_node} tasks per node but trainer.devices={devices}: set "
-                f"trainer.devices={per_node}, or #SBATCH --ntasks-per-node={n} (one task per device)"
-            )
-        if nodes.isdigit() and int(nodes) != num_nodes:
-            raise UserError(
-                f"the SLURM job has {nodes} nodes but trainer.num_nodes={num_nodes}: set "
-                f"trainer.num_nodes={nodes}, or #SBATCH --nodes={num_nodes}"
-            )
-    elif n is not None and n * num_nodes != started:
-        raise UserError(
-            f"{launcher} started {started} processes, but trainer.devices={devices} x trainer.num_nodes="
-            f"{num_nodes} = {n * num_nodes}: set {fix}"
-        )
+def slurm_batch_job() -> str | None:
+    """The job id when this process runs in a SLURM batch script without srun (`python train.py` in sbatch)."""
+    if under_slurm() and "SLURM_JOB_ID" in os.environ and slurm_step() is None:
+        return os.environ["SLURM_JOB_ID"]
+    return None

@@ -93,7 +93,9 @@ def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
     """Run this job as its own process; return its `optimized_metric` for the sweeper."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    proc = subprocess.run(job_command(), cwd=hc.runtime.cwd, env=os.environ.copy())
+    # The job seeds itself from its own config: an earlier job's seed must not reach it through the environment.
+    env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    proc = subprocess.run(job_command(), cwd=hc.runtime.cwd, env=env)
     if proc.returncode != 0:
         raise UserError(
             f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "

@@ -1,24 +1,23 @@
-"""Reading checkpoints safely: torch's weights_only loader, and one clear error for a bad file.
+"""Reading checkpoints safely: torch's weights_only loader, one clear error for a bad file, and a model rebuilt
+from the checkpoint's config only out of an explicit, small set of kinds of class.
 
 A checkpoint is a .ckpt file, or (strategy=fsdp) a directory of shards with the rest in meta.pt.
+A checkpoint may come from someone else, so nothing it names may run code: no functions, no modules outside
+the allowed packages are even imported, no interpolations (they would call resolvers).
 """
 
-import logging
+import inspect
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from project.errors import UserError
 
-log = logging.getLogger(__name__)
+SHARDED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
-SHARDED_METADATA = "meta.pt"
-# A checkpoint names the classes that rebuild its model; only these packages are built from a file.
-TRUSTED_TARGETS = (
-    "project.",
-    "torch.",
-    "torchvision.",
-)  # Lightning's name for the non-tensor part of a sharded checkpoint
+# The packages whose classes a checkpoint may name; a module outside them is never imported.
+ALLOWED_MODULES = ("project.models.", "project.data.", "torch.nn.", "torch.optim.", "torchvision.models.")
 
 
 def is_sharded(path: Path) -> bool:
@@ -26,7 +25,7 @@ def is_sharded(path: Path) -> bool:
 
 
 def check_readable(path: str) -> Path:
-    """Fail before any work if `path` is missing or torn (Lightning's save is not atomic: a kill can truncate it)."""
+    """Fail before any work if `path` is missing or torn (a kill during a save can truncate it)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(
@@ -49,23 +48,71 @@ def check_readable(path: str) -> Path:
     return p
 
 
-def _load(path: Path, mmap: bool = False) -> dict:
+def load(path: Path, mmap: bool = False) -> dict:
+    """torch.load with weights_only=True: tensors and plain data only. Anything else is refused in one line."""
     import torch
 
+    target = path / SHARDED_METADATA if is_sharded(path) else path
     try:
         # mmap: tensors stay on disk until touched, so reading the config of a large checkpoint is cheap
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(target, map_location="cpu", weights_only=True, mmap=mmap and not is_sharded(path))
     except Exception as e:
-        raise UserError(f"ckpt_path={path}: cannot be loaded safely ({type(e).__name__}: {e})") from e
+        found = re.search(r"(Unsupported (?:global|operand)[^.\n]*|unsupported GLOBAL [^\n]*?)(?:\.|\n|$)", str(e))
+        detail = found.group(1).strip() if found else " ".join(str(e).split())[:200]
+        raise UserError(
+            f"ckpt_path={path}: refused, it holds more than tensors and plain data ({detail}); "
+            "loading it could run code, so it is not loaded (it was not written by this project's train.py)"
+        ) from e
 
 
-def _targets(node: Any) -> list[str]:
-    if isinstance(node, dict):
-        own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
-        return own + [t for v in node.values() for t in _targets(v)]
+def run_config(path: Path, ckpt: dict) -> dict:
+    """The run config a checkpoint of this project carries as its hyperparameters."""
+    config = ckpt.get("hyper_parameters") or {}
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
+    return config
+
+
+def _kinds() -> dict[str, tuple[type, ...]]:
+    """The base classes a checkpoint may build, by where the node sits."""
+    import lightning.pytorch as L
+    import torch
+
+    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    parts = (torch.nn.Module, torch.optim.Optimizer, *schedulers)
+    return {"model": (L.LightningModule,), "data": (L.LightningDataModule,), "part": parts}
+
+
+def check_buildable(node: Any, where: str, kind: str = "part") -> None:
+    """Raise unless every `_target_` under `node` is a class of the allowed packages and of the kind its
+    place allows. Module paths are checked before anything is imported, so a checkpoint cannot import code."""
     if isinstance(node, list):
-        return [t for v in node for t in _targets(v)]
-    return []
+        for i, item in enumerate(node):
+            check_buildable(item, f"{where}[{i}]")
+        return
+    if isinstance(node, str) and "${" in node:
+        raise UserError(f"{where}={node!r}: a checkpoint's config holds resolved values, not interpolations; refused")
+    if not isinstance(node, dict):
+        return
+    if "_target_" in node:
+        target = node["_target_"]
+        if not isinstance(target, str) or not target.startswith(ALLOWED_MODULES):
+            raise UserError(
+                f"{where}._target_={target!r}: a checkpoint may only name classes of {', '.join(ALLOWED_MODULES)}; "
+                "refused (the file may come from someone else)"
+            )
+        import hydra
+
+        try:
+            obj = hydra.utils.get_object(target)
+        except Exception as e:
+            raise UserError(f"{where}._target_={target!r}: cannot be imported ({e})") from e
+        allowed = _kinds()[kind]
+        if not inspect.isclass(obj) or not issubclass(obj, allowed):
+            names = " or ".join(c.__name__ for c in allowed)
+            raise UserError(f"{where}._target_={target!r}: not a {names} class; refused")
+    for key, value in node.items():
+        check_buildable(value, f"{where}.{key}")
 
 
 def load_model(path: str) -> tuple[Any, dict]:
@@ -74,64 +121,10 @@ def load_model(path: str) -> tuple[Any, dict]:
     import hydra
 
     p = check_readable(path)
-    ckpt = _load(p / SHARDED_METADATA if is_sharded(p) else p)
-    config = ckpt.get("hyper_parameters") or {}
-    if "model" not in config:
-        raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
-    untrusted = [t for t in _targets(config["model"]) if not t.startswith(TRUSTED_TARGETS)]
-    if untrusted:
-        raise UserError(
-            f"ckpt_path={path}: refusing to build {untrusted} named by the checkpoint; only "
-            f"{', '.join(TRUSTED_TARGETS)} classes are built from a checkpoint"
-        )
+    ckpt = load(p)
+    config = run_config(p, ckpt)
+    check_buildable(config["model"], "model", kind="model")
     model = hydra.utils.instantiate(config["model"])
     if not is_sharded(p):
         model.load_state_dict(ckpt["state_dict"])
     return model, config
-
-
-def resume_point(run_dir: Path, restarted: bool) -> str | None:
-    """The checkpoint a run continues from without ckpt_path: its own last.ckpt, only when the job is a restart.
-
-    A restart (SLURM requeue, submitit resubmission, torchelastic restart) runs again in the same dir.
-    Lightning finds its own hpc_ckpt_*.ckpt, so we stay out of its way then. Anything else that finds
-    checkpoints in its dir is a new run in a reused dir, which must not silently continue an unrelated run.
-    """
-    last = run_dir / "checkpoints" / "last.ckpt"
-    has_hpc = any(run_dir.glob("hpc_ckpt_*.ckpt"))
-    if not restarted:
-        if last.exists() or has_hpc:
-            raise UserError(
-                f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
-                f"ckpt_path={last}; for a new run use a new directory (with torchrun: a new --rdzv-id)"
-            )
-        return None
-    if has_hpc or not last.exists():
-        return None
-    candidates = [
-        last,
-        *sorted((run_dir / "checkpoints").glob("epoch_*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True),
-    ]
-    for candidate in candidates:
-        try:
-            return str(check_readable(str(candidate)))
-        except UserError as e:  # cut off while saving when the job was stopped: fall back to an older one
-            log.warning("Not resuming from %s: %s", candidate, e)
-    return None
-
-
-def check_same_model(path: str, model_cfg: Any) -> None:
-    """Resuming with another architecture fails deep in load_state_dict; say which config differs instead."""
-    from omegaconf import OmegaConf
-
-    p = check_readable(path)
-    config = _load(p / SHARDED_METADATA if is_sharded(p) else p, mmap=not is_sharded(p)).get("hyper_parameters") or {}
-    if "model" not in config:
-        raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
-    current = OmegaConf.to_container(model_cfg, resolve=True)
-    for key in ("_target_", "net"):
-        if config["model"].get(key) != current.get(key):
-            raise UserError(
-                f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
-                f"model.{key}={current.get(key)}: resume with the checkpoint's model config"
-            )

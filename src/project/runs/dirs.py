@@ -3,11 +3,13 @@
 Imports no torch: Hydra resolves these names before any task code runs.
 """
 
+import fcntl
 import os
 import shutil
 from datetime import datetime
 from pathlib import Path
 
+from project.errors import UserError
 from project.launch import environment
 
 # Run dirs this process made, so that a failed start removes only what it created itself.
@@ -29,16 +31,49 @@ def unique_dir(path: str) -> str:
             candidate = f"{path}_{n}"
 
 
+def _slurm_batch_name(parent: str, job_id: str) -> str:
+    """`python train.py` started by a batch script without srun: the k-th such run of the job gets
+    slurm_<job>_run<k>. After a requeue the script starts its runs again in the same order, so each
+    finds its own directory (and checkpoints) again, and two runs of one script never share one."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    with open(os.path.join(parent, f".slurm_{job_id}.starts"), "a+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # released when the file closes
+        ledger.seek(0)
+        k = sum(1 for line in ledger if line.strip() == restart)
+        ledger.write(f"{restart}\n")
+    return f"slurm_{job_id}_run{k}"
+
+
 def run_dir(parent: str) -> str:
-    """`parent/<start time>` (made unique), or, for ranks started by torchrun or srun, a name they share."""
-    name = environment.shared_run_name()
-    if name is None:
-        path = unique_dir(os.path.join(parent, datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
-        CREATED.add(os.path.abspath(path))
+    """`parent/<start time>` (made unique); for ranks started by torchrun or srun a name they share; for a
+    SLURM batch script's own runs a name that survives a requeue."""
+    try:
+        os.makedirs(parent, exist_ok=True)
+        name = environment.shared_run_name()
+        job = environment.slurm_batch_job()
+        if name is None and job is not None:
+            name = _slurm_batch_name(parent, job)
+        if name is None:
+            path = unique_dir(os.path.join(parent, datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+            CREATED.add(os.path.abspath(path))
+            return path
+        path = os.path.join(parent, name)
+        os.makedirs(path, exist_ok=True)
         return path
-    path = os.path.join(parent, name)
-    os.makedirs(path, exist_ok=True)
-    return path
+    except OSError as e:
+        raise UserError(
+            f"cannot create a run directory under {parent} ({e.strerror}): set paths.log_dir to a writable directory"
+        ) from e
+
+
+def cwd() -> str:
+    """The directory the command was started from. Unlike `${hydra:runtime.cwd}`, also known while Hydra
+    resolves `hydra.sweep.dir`, before any job exists."""
+    return os.getcwd()
+
+
+def holds_checkpoints(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("*.ckpt")) or any(run_dir.glob("hpc_ckpt_*.ckpt"))
 
 
 def remove_if_unused(run_dir: Path) -> None:

@@ -1,9 +1,13 @@
-"""Lightning's DDP, registered under the same names, with sync_batchnorm that never breaks a CPU run."""
+"""Lightning's DDP, registered under the same names, with sync_batchnorm that never breaks a CPU run and a
+rendezvous that says whom it waits for (project.strategies.rendezvous)."""
 
 from typing import Any
 
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+
+from project.strategies import rendezvous
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -14,6 +18,8 @@ class DDPStrategy(LightningDDPStrategy):
     check runs after `accelerator=auto` is resolved, so it holds under torchrun and SLURM too.
     """
 
+    rendezvous_timeout_s = 300  # set from launch.rendezvous_timeout_s by project.build
+
     def setup(self, trainer: Any) -> None:
         if self._layer_sync is not None and self.root_device.type != "cuda":
             rank_zero_warn(
@@ -22,6 +28,13 @@ class DDPStrategy(LightningDDPStrategy):
             )
             self._layer_sync = None
         super().setup(trainer)
+
+    def setup_distributed(self) -> None:
+        # Lightning's own, with our rendezvous in place of _init_dist_connection
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        rendezvous.connect(self, self.rendezvous_timeout_s)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -67,16 +67,22 @@ def _split(obj: Any, n: int) -> list[Any]:
 
 def _replicate_sharing_parameters(network: nn.Module, n: int) -> list[nn.Module]:
     """torch's replicate without the copy to other devices: shallow module copies whose parameters are
-    non-leaf views of the root's, exactly as in torch's replicas, so gradients flow back to the root."""
+    non-leaf views of the root's, exactly as in torch's replicas, so gradients flow back to the root.
+
+    Buffers as in torch: its broadcast hands device 0 the root's own tensors and every other device a copy,
+    so replica 0's BatchNorm updates reach the root and the other replicas' updates are lost."""
     replicas = []
-    for _ in range(n):
+    for index in range(n):
         copies = {m: m._replicate_for_data_parallel() for m in network.modules()}
         for module, replica in copies.items():
             for key, child in module._modules.items():
                 replica._modules[key] = None if child is None else copies[child]
             for key, param in module._parameters.items():
-                if param is not None:
-                    setattr(replica, key, param.view_as(param))
+                setattr(replica, key, None if param is None else param.view_as(param))
+            if index > 0:
+                for key, buffer in module._buffers.items():
+                    if buffer is not None:
+                        replica._buffers[key] = buffer.clone()
         replicas.append(copies[network])
     return replicas
 

@@ -13,12 +13,17 @@ ordinary file on rank 0 instead (needs the whole model in CPU memory there).
 
 from datetime import timedelta
 
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
+
+from project.strategies import rendezvous
 
 
 class FSDPStrategy(ModelParallelStrategy):
     """Pure data-parallel sharding: the device mesh is one dimension over all N processes."""
+
+    rendezvous_timeout_s = 300  # set from launch.rendezvous_timeout_s by project.build
 
     def __init__(
         self,
@@ -39,3 +44,11 @@ class FSDPStrategy(ModelParallelStrategy):
         # for FSDP every process is a data-parallel shard, or two ranks would get the same batches.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def _setup_distributed(self) -> None:
+        # ModelParallelStrategy's own, with our rendezvous in place of _init_dist_connection
+        ParallelStrategy.setup_environment(self)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        rendezvous.connect(self, self.rendezvous_timeout_s)

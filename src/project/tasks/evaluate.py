@@ -1,30 +1,47 @@
 """The evaluation task: test a checkpoint on the data it was trained with (or on `data=...`)."""
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from project import build
-from project.config.schema import check_keys
+from project.config.schema import check_config
 from project.errors import UserError
 from project.launch import sweeps
 from project.runs import checkpoints
 from project.runs.results import read_metrics, write_metrics
+from project.tasks.seeding import seed_run
+
+log = logging.getLogger(__name__)
+
+
+def _data_config(cfg: DictConfig, train_config: dict) -> DictConfig:
+    """`data=...` if given; else the checkpoint's own data config, checked like its model config, and reading
+    from this machine's `paths.data_dir` rather than the directory of the machine that trained it."""
+    if cfg.data is not None:
+        return cfg.data
+    data = train_config.get("data")
+    if not isinstance(data, dict):
+        raise UserError(f"ckpt_path={cfg.ckpt_path}: holds no data config; pass data=<option>")
+    checkpoints.check_buildable(data, "data", kind="data")
+    if "data_dir" in data and data["data_dir"] != cfg.paths.data_dir:
+        log.info("Data from the checkpoint's config, read from paths.data_dir=%s", cfg.paths.data_dir)
+        data = {**data, "data_dir": cfg.paths.data_dir}
+    return OmegaConf.create(data)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Returns the test metrics (also written to <run>/test_metrics.json)."""
-    import lightning.pytorch as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    check_keys(cfg)
-    if cfg.seed is not None:
-        L.seed_everything(cfg.seed, workers=True)
+    check_config(cfg)
+    seed_run(cfg.seed)
     path = checkpoints.check_readable(cfg.ckpt_path)
     model, train_config = checkpoints.load_model(str(path))
-    data_cfg = cfg.data if cfg.data is not None else OmegaConf.create(train_config["data"])
-    datamodule = build.datamodule(data_cfg)
-    trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"))
+    build.check(cfg)
+    datamodule = build.datamodule(_data_config(cfg, train_config))
+    trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"), cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         sweeps.run_job_in_fresh_process(None)
         return read_metrics(Path(cfg.paths.output_dir))

@@ -3,35 +3,36 @@
 import logging
 from pathlib import Path
 
-import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
 from project import build
-from project.config.schema import check_keys
+from project.config.schema import check_config
 from project.launch import environment, sweeps
-from project.runs import checkpoints
+from project.runs import resume
 from project.runs.results import write_metrics
+from project.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> float | None:
     """Returns the value of `cfg.optimized_metric` (for sweepers), or None when it was not logged."""
-    check_keys(cfg)
-    if cfg.seed is not None:
-        L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = cfg.ckpt_path or checkpoints.resume_point(Path(cfg.paths.output_dir), environment.restarted())
+    check_config(cfg)
+    build.check(cfg)
+    seed_run(cfg.seed)
+    ckpt_path = resume.resume_point(Path(cfg.paths.output_dir), environment.restarted(), cfg.ckpt_path)
     if ckpt_path:
-        checkpoints.check_same_model(ckpt_path, cfg.model)
+        resume.check_same_model(ckpt_path, cfg.model)
         if cfg.train:
             log.info("Resuming from %s", ckpt_path)
 
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
-    # The plain run config is the module's hyperparameters: TensorBoard shows it, and every checkpoint
-    # carries what rebuilds the model (project.checkpoints.load_model), loadable with weights_only=True.
+    # The plain run config is the module's hyperparameters: every checkpoint carries what rebuilds the model
+    # (project.runs.checkpoints.load_model), loadable with weights_only=True.
     model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
-    trainer = build.trainer(cfg.trainer, build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger"))
+    callbacks, loggers = build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger")
+    trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         return sweeps.run_job_in_fresh_process(cfg.optimized_metric)
 

@@ -1,0 +1,57 @@
+"""Which checkpoint a run continues from, and whether it fits the run's model.
+
+A fresh run continues from `ckpt_path` if given. A job that runs again after a SLURM requeue, a submitit
+resubmission or a torchelastic restart continues from the newest readable checkpoint in its own directory,
+even if it was first started with `ckpt_path`: that was where it began, not how far it got. (A new run in a
+directory that holds checkpoints is refused before Hydra writes into it: project.runs.guard.)
+"""
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from project.errors import UserError
+from project.runs import checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    """The run dir's newest checkpoint that is not torn: Lightning's hpc_ckpt_*, last.ckpt or an epoch_*."""
+    candidates = [
+        *run_dir.glob("hpc_ckpt_*.ckpt"),
+        *(run_dir / "checkpoints").glob("last.ckpt"),
+        *(run_dir / "checkpoints").glob("epoch_*.ckpt"),
+    ]
+    for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            return str(checkpoints.check_readable(str(candidate)))
+        except UserError as e:  # cut off while saving when the job was stopped: fall back to an older one
+            log.warning("Not resuming from %s: %s", candidate, e)
+    return None
+
+
+def resume_point(run_dir: Path, restarted: bool, ckpt_path: str | None) -> str | None:
+    if restarted:
+        own = newest_checkpoint(run_dir)
+        if own is not None:
+            if ckpt_path and Path(ckpt_path).resolve() != Path(own).resolve():
+                log.info("Restarted job: continuing from its own %s, not from ckpt_path=%s", own, ckpt_path)
+            return own
+    return ckpt_path
+
+
+def check_same_model(path: str, model_cfg: Any) -> None:
+    """Resuming with another architecture fails deep in load_state_dict; say which config differs instead."""
+    from omegaconf import OmegaConf
+
+    p = checkpoints.check_readable(path)
+    config = checkpoints.run_config(p, checkpoints.load(p, mmap=True))
+    current = OmegaConf.to_container(model_cfg, resolve=True)
+    assert isinstance(current, dict)
+    for key in ("_target_", "net"):
+        if config["model"].get(key) != current.get(key):
+            raise UserError(
+                f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
+                f"model.{key}={current.get(key)}: resume with the checkpoint's model config"
+            )

@@ -1,0 +1,53 @@
+"""Run directories: unique names, names shared by a launch, SLURM batch scripts, and seeding between jobs."""
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from project.runs.dirs import run_dir, unique_dir
+from project.tasks.seeding import seed_run
+
+
+def test_unique_dir_never_hands_out_the_same_dir_twice(tmp_path: Path):
+    base = str(tmp_path / "runs" / "2026-01-01_00-00-00")
+    first, second, third = unique_dir(base), unique_dir(base), unique_dir(base)
+    assert len({first, second, third}) == 3
+    assert all(Path(p).is_dir() for p in (first, second, third))
+
+
+@pytest.fixture
+def slurm_batch(monkeypatch):
+    """This process as `python train.py` run by an sbatch script directly (no srun step)."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train.sbatch")
+    return monkeypatch
+
+
+def test_runs_of_one_batch_script_get_their_own_dirs_and_find_them_after_a_requeue(tmp_path, slurm_batch):
+    parent = str(tmp_path / "runs")
+    first, second = run_dir(parent), run_dir(parent)
+    assert [Path(p).name for p in (first, second)] == ["slurm_77_run0", "slurm_77_run1"]
+    slurm_batch.setenv("SLURM_RESTART_COUNT", "1")  # requeued: the script starts its runs again, in order
+    assert [run_dir(parent), run_dir(parent)] == [first, second]
+
+
+def test_srun_tasks_share_the_steps_dir(tmp_path, slurm_batch):
+    slurm_batch.setenv("SLURM_STEP_ID", "3")
+    assert Path(run_dir(str(tmp_path))).name == Path(run_dir(str(tmp_path))).name == "slurm_77_3"
+
+
+def test_seed_null_after_a_seeded_job_is_unseeded():
+    draws = []
+    for _ in range(2):
+        seed_run(1)  # a seeded sweep job ran before in this process
+        assert os.environ["PL_GLOBAL_SEED"] == "1"
+        seed_run(None)
+        assert "PL_GLOBAL_SEED" not in os.environ  # no rank or later process inherits seed 1
+        draws.append((torch.rand(3).tolist(), random.random()))
+    assert draws[0] != draws[1]
