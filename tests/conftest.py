@@ -24,7 +24,7 @@ def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
     return sorted(p for p in (log_dir / task / "runs").glob("*") if p.is_dir())
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI run in a test: tests/ importable (for probes.* targets), nothing else changed."""
     return {
         **os.environ,
@@ -42,7 +42,7 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
         cwd = cwd or tmp_path
         cwd.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(REPO / script), *overrides]
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=test_env(**(env or {})))
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=cli_env(**(env or {})))
         if check and proc.returncode != 0:
             output = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{output}")

@@ -92,7 +92,6 @@ class ImageClassifier(L.LightningModule):
         self.val_acc_best(self.val_acc.compute())
         best = self.val_acc_best.compute()
         self.log("val/acc_best", best, sync_dist=True, prog_bar=True)
-        self.log("hp_metric", best, sync_dist=True)  # what TensorBoard's HParams tab shows per run
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, preds, y = self._shared_step(batch)

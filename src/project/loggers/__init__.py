@@ -1,0 +1,1 @@
+"""Loggers of this project: Lightning's, with what a person looks for in them made visible."""

@@ -1,0 +1,81 @@
+"""TensorBoard with an HParams tab a person can read: the settings people vary, and the real final metrics.
+
+Lightning's logger lists every key of the run config (76 here, paths and callback settings first) and writes
+`hp_metric = -1` whenever the hyper-parameters are logged again (by `trainer.test`), which is the value
+TensorBoard then shows. Here the HParams summary is written once per run: the config groups chosen
+(`model=mlp`), a short list of values (learning rate, batch size, seed, devices, ...) and whatever the command
+line overrode; its metrics are declared by name, and TensorBoard reads their values from the run's own scalars.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+GROUPS = ("data", "model", "trainer", "precision", "experiment")
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _scalar(value: Any) -> int | float | str | bool:
+    """HParams holds numbers, strings and booleans; anything else is shown as its text."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _run_choices() -> tuple[dict[str, str], list[str]]:
+    """The config groups Hydra chose for this run, and the keys its command line set."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}, []
+    hc = HydraConfig.get()
+    choices = {group: str(hc.runtime.choices[group]) for group in GROUPS if hc.runtime.choices.get(group)}
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in hc.overrides.task if "=" in o]
+    return choices, [k for k in keys if "/" not in k and k not in GROUPS and k != "profile"]
+
+
+class TensorBoardLogger(LightningTensorBoardLogger):
+    """`hparams`: dotted keys of the run config shown in the HParams tab; `metrics`: the metrics beside them."""
+
+    def __init__(
+        self,
+        save_dir: str,
+        name: str = "",
+        version: str = "",
+        hparams: Sequence[str] = (),
+        metrics: Sequence[str] = (),
+        log_graph: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(save_dir, name=name, version=version, log_graph=log_graph, default_hp_metric=False, **kwargs)
+        self.hparam_keys, self.metric_names = list(hparams), list(metrics)
+        self._summary_written = False
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, metrics: Any = None, step: int | None = None) -> None:
+        super().log_hyperparams(params, metrics, step)  # hparams.yaml keeps the whole config
+        if self._summary_written or not isinstance(params, Mapping):
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        choices, overridden = _run_choices()
+        shown: dict[str, Any] = dict(choices)
+        for key in [*self.hparam_keys, *overridden]:
+            value = _lookup(params, key)
+            if value is not None and key not in shown:
+                shown[key] = _scalar(value)
+        summaries = hparams(shown, {name: 0.0 for name in self.metric_names})
+        writer = self.experiment._get_file_writer()
+        for summary in summaries:
+            writer.add_summary(summary)
+        self._summary_written = True
