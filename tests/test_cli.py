@@ -140,7 +140,7 @@ def trained(tmp_path_factory):
 
 def test_default_run_reaches_95_percent_on_real_digits(trained):
     test = json.loads((trained / "test_metrics.json").read_text())
-    assert test["test/acc"] >= 0.95
+    assert test["test/acc"] >= 0.965  # README: "about 97% test accuracy"
     fit = json.loads((trained / "fit_metrics.json").read_text())
     assert fit["val/acc_best"] >= 0.95
 
@@ -153,7 +153,10 @@ def test_run_dir_holds_config_checkpoints_and_tensorboard_events(trained):
     for events in (trained / "tensorboard").glob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events)).Reload()
         scalars |= set(acc.Tags()["scalars"])
-        hparams_tags |= set(acc.PluginTagToContent("hparams"))  # what TensorBoard's HParams tab reads
+        try:  # what TensorBoard's HParams tab reads; written to the first events file only
+            hparams_tags |= set(acc.PluginTagToContent("hparams"))
+        except KeyError:
+            pass
     assert {
         "train/loss_step",
         "train/loss_epoch",

@@ -14,6 +14,7 @@ from project.errors import UserError
 from project.launch import environment as cluster
 from project.launch import processes
 
+TRAIN = REPO / "train.py"
 RUN = [
     "trainer=ddp",
     "trainer.accelerator=cpu",
@@ -94,10 +95,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], env: dict) -> subprocess.Popen:
+def start(cmd: list[str], env: dict, cwd: Path) -> subprocess.Popen:
+    """`cmd` from a fresh working directory `cwd`, without any launcher variables of the test's own shell."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
     full.update(PYTHONPATH=str(TESTS), **env)
-    return subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(procs: list[subprocess.Popen]) -> list[str]:
@@ -130,12 +132,11 @@ def test_torchrun_starts_the_ranks_and_lightning_launches_none(tmp_path):
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        "train.py",
-        f"paths.log_dir={logs}",
+        str(TRAIN),
         "trainer.devices=2",
         *RUN,
     ]
-    finish([start(cmd, {"PROBE_DIR": str(probe)})])
+    finish([start(cmd, {"PROBE_DIR": str(probe)}, tmp_path)])
     seen = assert_two_ranks_split_the_data(probe)
     assert {r["environment"] for r in seen} == {"TorchElasticEnvironment"}
     (run,) = run_dirs(logs)
@@ -150,12 +151,11 @@ def test_torchrun_with_the_wrong_device_count_stops_with_the_fix(tmp_path):
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        "train.py",
-        f"paths.log_dir={tmp_path / 'logs'}",
+        str(TRAIN),
         "trainer.devices=1",
         *RUN,
     ]
-    proc = start(cmd, {"PROBE_DIR": str(tmp_path)})
+    proc = start(cmd, {"PROBE_DIR": str(tmp_path)}, tmp_path)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
     assert "error: torchrun started 2 processes, but trainer.devices=1 x trainer.num_nodes=1 = 1" in out
@@ -168,8 +168,9 @@ def test_two_nodes_on_localhost_one_process_each(tmp_path):
     port = str(free_port())
     procs = [
         start(
-            [sys.executable, "train.py", f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
+            [sys.executable, str(TRAIN), f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
             {"PROBE_DIR": str(probe), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)},
+            tmp_path,
         )
         for node in (0, 1)
     ]
@@ -198,8 +199,9 @@ def test_srun_tasks_are_the_ranks_under_faked_slurm(tmp_path):
     }
     procs = [
         start(
-            [sys.executable, "train.py", f"paths.log_dir={logs}", "trainer.devices=2", *RUN],
+            [sys.executable, str(TRAIN), "trainer.devices=2", *RUN],
             {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            tmp_path,
         )
         for r in (0, 1)
     ]

@@ -26,7 +26,7 @@ def test_every_group_has_options():
 def test_option_composes_builds_and_trains(make_cfg, tmp_path, group, option):
     """Each option alone on top of the defaults: it composes, builds, and (where one CPU process can run it)
     fits and tests a few batches for real, loggers and checkpoints included."""
-    cfg = make_cfg(f"{group}={option}", "profile=tiny", "trainer.max_epochs=1")
+    cfg = make_cfg(f"{group}={option}", "profile=tiny", "trainer.max_epochs=1", "data.batch_size=16")
     if "MNISTDataModule" in cfg.data._target_:
         write_idx(Path(cfg.paths.data_dir), cfg.data.dataset, n_train=cfg.data.val_size + 100)
     processes = cfg.trainer.devices not in (1, "auto") and cfg.trainer.strategy != "dp"

@@ -3,7 +3,10 @@ single device, ddp (2 processes), fsdp (2 processes) and dp (2 replicas) take th
 
 The rule they rely on: global batch = data.batch_size x devices x num_nodes for ddp/fsdp (each process
 loads its own batch; gradients are averaged), data.batch_size itself for dp (one batch split across
-replicas); the learning rate stays the same. Dropout-free model, fp32, fixed data order.
+replicas); the learning rate stays the same. Shuffling stays on: one seeded permutation per epoch, cut into
+the ranks' shards, gives every setup the same global batches. What breaks the equality, and is left out
+here: dropout (each process or replica draws its own masks) and BatchNorm (statistics per process or
+replica, unless sync BatchNorm on GPUs), and floating-point reduction order beyond fp32's 1e-5.
 """
 
 import json
@@ -22,7 +25,6 @@ COMMON = [
     "model.optimizer._target_=torch.optim.SGD",
     "model.optimizer.lr=0.05",
     "+model.optimizer.momentum=0.9",
-    "data.shuffle=false",
     "trainer.accelerator=cpu",
     "trainer.max_epochs=1",
     f"+trainer.limit_train_batches={STEPS}",

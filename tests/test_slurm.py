@@ -87,15 +87,14 @@ def slurm_job(tmp_path: Path, extra_env: dict) -> subprocess.CompletedProcess:
     )
     cmd = [
         sys.executable,
-        "train.py",
-        f"paths.log_dir={tmp_path / 'logs'}",
+        str(REPO / "train.py"),
         "trainer.accelerator=cpu",
         "model=mlp",
         "debug=limit",
         "~callbacks.early_stopping",
         "+callbacks.preempt._target_=probes.PreemptionProbe",
     ]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture

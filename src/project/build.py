@@ -115,8 +115,7 @@ def check_options(node: Any, where: str) -> None:
             if _fits(value, params[key].annotation) is False:
                 source = f" (from {child._value()})" if OmegaConf.is_interpolation(node, key) else ""
                 raise UserError(
-                    f"{where}.{key}={value!r}{source}: {target} expects {_describe(params[key].annotation)} "
-                    f"for {key!r}"
+                    f"{where}.{key}={value!r}{source}: {target} expects {_describe(params[key].annotation)} for {key!r}"
                 )
     for key, value in node.items_ex(resolve=False):
         check_options(value, f"{where}.{key}")

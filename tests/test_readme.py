@@ -1,0 +1,155 @@
+"""Every command in README.md's code blocks, run exactly as written.
+
+The commands run in README order, in one fresh copy of the repository (what `git clone` gives), with the
+test profile `PROJECT_PROFILE=tiny` (conf/profile/tiny.yaml: a few batches per epoch, at most 2 epochs): only
+sizes shrink. The copy holds small MNIST files in the real format under data/, as on a machine where MNIST
+was fetched once (README, *Data*). Placeholders are filled from what the earlier commands made: `<run>`
+is the newest training run with checkpoints, `<best>` its best checkpoint's name.
+
+Commands that need GPUs, several machines, SLURM or a long-lived server carry a `# needs ...` comment in the
+README (or sit in a batch script) and must be listed in ELSEWHERE with the test that covers them most closely.
+In ```console blocks, `$ command` lines are run and the `error:` line that follows must match exactly.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env, write_idx
+
+pytestmark = pytest.mark.slow
+
+README = REPO / "README.md"
+
+# Commands that cannot run on a 2-core CPU machine without a network, and the test that comes closest.
+ELSEWHERE = {
+    "make install": ".ci/run",
+    "make test": ".ci/run",
+    "source .venv/bin/activate": "tests/test_readme.py::test_the_environment_make_install_makes_can_be_activated",
+    "tensorboard --logdir logs": "tests/test_tensorboard.py::test_the_server_shows_the_runs_scalars",
+    "CUDA_VISIBLE_DEVICES=2,3 python train.py trainer=ddp": (
+        "tests/test_cli.py::test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data"
+    ),
+    "python train.py trainer.devices=4 trainer.strategy=ddp": (
+        "tests/test_cli.py::test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data"
+    ),
+    "python train.py trainer=dp": "tests/test_dp.py::test_dp_with_two_replicas_trains_exactly_like_one_device",
+    "torchrun --nproc_per_node=4 train.py trainer=ddp trainer.devices=4": (
+        "tests/test_cluster.py::test_torchrun_starts_the_ranks_and_lightning_launches_none"
+    ),
+    "torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=exp1 "
+    "train.py trainer=ddp trainer.devices=4 trainer.num_nodes=2": (
+        "tests/test_cluster.py::test_torchrun_starts_the_ranks_and_lightning_launches_none"
+    ),
+    "MASTER_ADDR=HOST MASTER_PORT=29500 NODE_RANK=0 python train.py trainer=ddp trainer.devices=4 "
+    "trainer.num_nodes=2 hydra.run.dir=/shared/runs/exp1": (
+        "tests/test_cluster.py::test_two_nodes_on_localhost_one_process_each"
+    ),
+    "srun python train.py trainer=ddp trainer.devices=4 trainer.num_nodes=2": (
+        "tests/test_cluster.py::test_srun_tasks_are_the_ranks_under_faked_slurm"
+    ),
+    "python train.py -m hydra/launcher=slurm trainer=ddp trainer.devices=4 trainer.num_nodes=2 "
+    "hydra.launcher.partition=gpu hydra.launcher.timeout_min=600 seed=1,2,3": (
+        "tests/test_slurm.py::test_slurm_launcher_asks_for_one_task_per_device_on_each_node"
+    ),
+}
+
+
+def _strip_comment(line: str) -> tuple[str, str]:
+    """`command  # comment` -> (command, comment); a # inside quotes is part of the command."""
+    quote = None
+    for i, char in enumerate(line):
+        if char in "'\"" and quote in (None, char):
+            quote = None if quote else char
+        elif char == "#" and quote is None and (i == 0 or line[i - 1].isspace()):
+            return line[:i].strip(), line[i + 1 :].strip()
+    return line.strip(), ""
+
+
+def readme_commands() -> list[tuple[str, str | None, bool]]:
+    """(command, expected error line or None, runs here) for every command of README.md, in order."""
+    found = []
+    for lang, body in re.findall(r"```(bash|console)\n(.*?)```", README.read_text(), re.S):
+        script = body.startswith("#!")
+        lines = body.replace("\\\n", " ").splitlines()
+        for i, raw in enumerate(lines):
+            if lang == "console":
+                if raw.startswith("$ "):
+                    expected = lines[i + 1] if i + 1 < len(lines) else ""
+                    found.append((raw[2:].strip(), expected, True))
+                continue
+            command, comment = _strip_comment(raw)
+            if not command:
+                continue
+            command = " ".join(command.split())
+            elsewhere = script or comment.startswith("needs ") or command in ELSEWHERE
+            found.append((command, None, not elsewhere))
+    return found
+
+
+COMMANDS = readme_commands()
+RUNNABLE = [(c, e) for c, e, runs in COMMANDS if runs]
+
+
+def test_every_command_that_cannot_run_here_is_covered_by_a_named_test():
+    skipped = [c for c, _, runs in COMMANDS if not runs]
+    assert sorted(set(skipped)) == sorted(ELSEWHERE), "README and ELSEWHERE disagree"
+    for command, where in ELSEWHERE.items():
+        path, _, test = where.partition("::")
+        text = (REPO / path).read_text()
+        assert (f"def {test}(" in text) if test else (command in text.splitlines()), f"{command}: {where}"
+
+
+def test_the_environment_make_install_makes_can_be_activated():
+    assert (Path(sys.executable).parent / "activate").is_file()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A fresh copy of the repository's files, as a clone has them, with MNIST files in data/."""
+    work = tmp_path_factory.mktemp("clone")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for name in listed:
+        if (REPO / name).is_file():
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, work / name)
+    write_idx(work / "data", "MNIST", n_train=5100)  # data=mnist's 5,000 validation images + 100
+    return work
+
+
+def _fill(command: str, work: Path) -> str:
+    """`<run>` and `<best>` from what the earlier commands wrote."""
+    if "<run>" not in command and "<best>" not in command:
+        return command
+    runs = sorted((work / "logs" / "train" / "runs").glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert runs, f"{command}: no earlier run with checkpoints"
+    run = runs[-1].parent.parent
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    return command.replace("<run>", run.name).replace("<best>", best.stem)
+
+
+@pytest.mark.parametrize(("command", "expected"), RUNNABLE, ids=[c for c, _ in RUNNABLE])
+def test_readme_command(workdir, command, expected):
+    env = cli_env(PROJECT_PROFILE="tiny", PATH=f"{Path(sys.executable).parent}:{cli_env()['PATH']}")
+    env.pop("PYTHONPATH")  # nothing of the tests' own
+    proc = subprocess.run(
+        ["bash", "-c", _fill(command, workdir)],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if expected is None:
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    else:
+        assert proc.returncode == 2 and expected in proc.stderr.splitlines(), proc.stderr[-3000:]
