@@ -18,9 +18,10 @@ test:  ## the whole suite, slow end-to-end tests included
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
 
-lint:  ## style: ruff's checks and formatting (120 columns)
+lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on src/
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 train:  ## train the default model on the default data
 	$(BIN)/python train.py

@@ -11,7 +11,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    from project.tasks.evaluate import evaluate
+    from project.tasks.evaluation import evaluate
 
     return run(evaluate, cfg)
 

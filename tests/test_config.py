@@ -11,9 +11,21 @@ from omegaconf import OmegaConf
 
 from project import build
 from project.errors import UserError
-from project.tasks.train import train
+from project.tasks.training import train
 
-GROUPS = ["data", "model", "trainer", "precision", "callbacks", "logger", "paths", "debug", "experiment"]
+GROUPS = [
+    "data",
+    "model",
+    "model/optimizer",
+    "model/scheduler",
+    "trainer",
+    "precision",
+    "callbacks",
+    "logger",
+    "paths",
+    "debug",
+    "experiment",
+]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((REPO / "conf" / g).glob("*.yaml"))]
 
 

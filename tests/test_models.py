@@ -10,7 +10,7 @@ from conftest import REPO
 from project.models.lenet import LeNet
 from project.models.mlp import MLP
 from project.models.resnet import resnet18
-from project.tasks.train import train
+from project.tasks.training import train
 
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 

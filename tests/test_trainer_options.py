@@ -7,7 +7,7 @@ import torch
 
 from project import build
 from project.errors import UserError
-from project.tasks.train import train
+from project.tasks.training import train
 
 
 def test_bf16_mixed_computes_in_bfloat16_on_cpu(make_cfg, tmp_path):

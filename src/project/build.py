@@ -100,25 +100,26 @@ def check_options(node: Any, where: str) -> None:
             raise UserError(f"{where}._target_: cannot import {target!r} ({e})") from e
         signature = _signature(obj)
         params = signature.parameters if signature is not None else None
+        keys = [str(key) for key in node]
         if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            for key in node:
+            for key in keys:
                 if key in _HYDRA_KEYS or key in params:
                     continue
                 close = difflib.get_close_matches(str(key), list(params), n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"its options are: {', '.join(params)}"
                 raise UserError(f"{where}.{key}: {target} has no option {key!r}; {hint}")
-        for key in node if params is not None else ():
+        for key in keys if params is not None else []:
             child = node._get_node(key)
-            if key in _HYDRA_KEYS or key not in params or isinstance(child, DictConfig):
+            if key in _HYDRA_KEYS or params is None or key not in params or isinstance(child, DictConfig):
                 continue
+            assert child is not None
             value = OmegaConf.to_container(child, resolve=True) if isinstance(child, ListConfig) else node[key]
             if _fits(value, params[key].annotation) is False:
                 source = f" (from {child._value()})" if OmegaConf.is_interpolation(node, key) else ""
-                raise UserError(
-                    f"{where}.{key}={value!r}{source}: {target} expects {_describe(params[key].annotation)} for {key!r}"
-                )
-    for key, value in node.items_ex(resolve=False):
-        check_options(value, f"{where}.{key}")
+                expected = _describe(params[key].annotation)
+                raise UserError(f"{where}.{key}={value!r}{source}: {target} expects {expected} for {key!r}")
+    for child_key, value in node.items_ex(resolve=False):
+        check_options(value, f"{where}.{child_key!s}")
 
 
 def _check_factories(node: Any, where: str) -> None:
@@ -147,7 +148,7 @@ def _check_factories(node: Any, where: str) -> None:
                 except (ValueError, TypeError) as e:
                     raise UserError(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}") from e
     for key, value in node.items_ex(resolve=False):
-        _check_factories(value, f"{where}.{key}")
+        _check_factories(value, f"{where}.{key!s}")
 
 
 def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
@@ -183,7 +184,7 @@ def model(cfg: DictConfig) -> Any:
 
 def named(cfg: DictConfig | None, group: str) -> list[Any]:
     """`callbacks` and `logger` are mappings name -> config, so each entry can be dropped: `~callbacks.rich`."""
-    return [instantiate(node, f"{group}.{name}") for name, node in (cfg or {}).items() if node is not None]
+    return [instantiate(node, f"{group}.{name!s}") for name, node in (cfg or {}).items() if node is not None]
 
 
 def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any], launch: Any = None) -> Any:

@@ -18,6 +18,7 @@ _REQUIRED_HINTS = {
     "ckpt_path": "pass the checkpoint to use: ckpt_path=<run>/checkpoints/last.ckpt",
 }
 SEED_RANGE = (0, 2**32 - 1)  # what numpy, and so Lightning's seed_everything, accepts
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision
 
 
 @dataclass
@@ -50,6 +51,7 @@ class TrainConfig:
     callbacks: Any = field(default_factory=dict)
     logger: Any = field(default_factory=dict)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    float32_matmul_precision: str = "high"
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
@@ -62,6 +64,7 @@ class EvalConfig:
     trainer: Any = MISSING
     logger: Any = field(default_factory=dict)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    float32_matmul_precision: str = "high"
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
@@ -79,7 +82,7 @@ def check_keys(cfg: DictConfig, where: str = "") -> None:
     if not is_dataclass(schema):
         return
     declared = {f.name for f in fields(schema)}
-    for key in cfg:
+    for key in map(str, cfg):
         path = f"{where}{key}"
         if key not in declared:
             raise UserError(f"{path}: not a known key here; known keys: {', '.join(sorted(declared))}")
@@ -99,5 +102,9 @@ def check_config(cfg: DictConfig) -> None:
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         low, high = SEED_RANGE
         raise UserError(f"seed={seed}: a seed is an integer from {low} to {high} (or null: unseeded)")
+    if cfg.float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise UserError(
+            f"float32_matmul_precision={cfg.float32_matmul_precision}: one of {', '.join(MATMUL_PRECISIONS)}"
+        )
     if cfg.launch.rendezvous_timeout_s <= 0:
         raise UserError(f"launch.rendezvous_timeout_s={cfg.launch.rendezvous_timeout_s}: must be a positive number")

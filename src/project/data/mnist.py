@@ -1,6 +1,7 @@
 """MNIST-format data sets through torchvision's own classes: MNIST, FashionMNIST, KMNIST."""
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class MNISTDataModule(TensorDataModule):
         self.data_dir = str(Path(data_dir).expanduser())
         self.download, self.val_size, self.split_seed = download, val_size, split_seed
 
-    def _fetch(self, train: bool, download: bool):
+    def _fetch(self, train: bool, download: bool) -> Any:
         return self.dataset_cls(self.data_dir, train=train, download=download)
 
     def _missing_message(self, reason: str) -> str:

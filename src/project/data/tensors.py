@@ -7,6 +7,7 @@ dataset just answers a whole list of indices at once.
 """
 
 import os
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -36,7 +37,7 @@ class TensorDataset(Dataset):
         return TensorDataset(self.images.to(device), self.labels.to(device))
 
 
-def _batch_as_is(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+def _batch_as_is(batch: Any) -> Any:
     """`__getitems__` already returns a batch; a module-level function so ddp_spawn can pickle it."""
     return batch
 
@@ -86,28 +87,29 @@ class TensorDataModule(L.LightningDataModule):
                 splits = {name: ds.to(device) for name, ds in splits.items()}
         self.splits = splits
 
+    def _shard(self) -> dict[str, Any]:
+        """This process's part of each epoch: one of world_size interleaved shards (the whole, on one device)."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size < 2:
+            return {"num_replicas": 1, "rank": 0}
+        return dict(trainer.strategy.distributed_sampler_kwargs)  # type: ignore[attr-defined]
+
     def _order_seed(self) -> int:
         """The seed of the training order: the run's seed, or (seed=null) a fresh one drawn by rank 0 and
         shared, so that the ranks' shards still split one permutation."""
         if self._seed is None:
             seed = os.environ.get("PL_GLOBAL_SEED")
             drawn = int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little")
-            strategy = self.trainer.strategy if self.trainer is not None else None
-            self._seed = (
-                int(strategy.broadcast(drawn)) if strategy is not None and self.trainer.world_size > 1 else drawn
-            )
+            trainer = self.trainer
+            self._seed = int(trainer.strategy.broadcast(drawn)) if trainer and trainer.world_size > 1 else drawn
         return self._seed
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dataset = self.splits[name]
-        distributed = self.trainer is not None and self.trainer.world_size > 1
-        shard = (self.trainer.strategy.distributed_sampler_kwargs if distributed else None) or {
-            "num_replicas": 1,
-            "rank": 0,
-        }
         # One seeded permutation per epoch, cut into shards: on one device or N, the global batches are the
         # same. (Lightning's own sampler for ddp would also always shuffle, ignoring shuffle=false.)
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self._order_seed() if shuffle else 0, **shard)
+        seed = self._order_seed() if shuffle else 0
+        sampler: DistributedSampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, **self._shard())
         # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
 

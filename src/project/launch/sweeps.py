@@ -62,7 +62,7 @@ def job_command() -> list[str]:
     """This sweep job as a single run: same config sources and overrides, writing into the job's dir."""
     hc = HydraConfig.get()
     script = os.environ.get(ENTRY_SCRIPT) or os.path.join(hc.runtime.cwd, sys.argv[0])
-    cmd = [sys.executable, script, "--config-name", hc.job.config_name]
+    cmd = [sys.executable, script, "--config-name", str(hc.job.config_name)]
     for source in hc.runtime.config_sources:
         if source.provider == "main":
             cmd += ["--config-path", source.path.removeprefix("file://")]

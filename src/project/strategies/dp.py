@@ -125,7 +125,9 @@ def _fresh_metric_states(module: nn.Module, device: torch.device) -> None:
             metric.__dict__["update"] = metric._wrap_update(cls.update.__get__(metric, cls))
             metric.__dict__["compute"] = metric._wrap_compute(cls.compute.__get__(metric, cls))
             for name, default in metric._defaults.items():
-                fresh = default.detach().clone().to(device) if isinstance(default, Tensor) else []
+                fresh: Tensor | list[Tensor] = (
+                    default.detach().clone().to(device) if isinstance(default, Tensor) else []
+                )
                 object.__setattr__(metric, name, fresh)
             metric._update_count, metric._forward_cache, metric._computed = 0, None, None
 
@@ -165,7 +167,8 @@ def _combine(outputs: list[Any], sizes: list[int], root: torch.device) -> Any:
             return sum(o.to(root) * (n / total) for o, n in zip(outputs, sizes))
         return torch.cat([o.to(root) for o in outputs])
     if isinstance(first, Mapping):
-        return type(first)((k, _combine([o[k] for o in outputs], sizes, root)) for k in first)
+        mapping: Any = type(first)
+        return mapping((k, _combine([o[k] for o in outputs], sizes, root)) for k in first)
     if isinstance(first, (list, tuple)):
         return type(first)(_combine(list(parts), sizes, root) for parts in zip(*outputs))
     if isinstance(first, (int, float)):
@@ -185,10 +188,10 @@ class DataParallelStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        accelerator=None,
-        parallel_devices=None,
-        checkpoint_io=None,
-        precision_plugin=None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
         ops: ReplicaOps | None = None,
     ) -> None:
         super().__init__(
@@ -222,12 +225,17 @@ class DataParallelStrategy(ParallelStrategy):
         return False
 
     @property
-    def distributed_sampler_kwargs(self) -> None:
-        return None  # one loader; the batch is split per step
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {}  # one loader; the batch is split per step
+
+    @property
+    def devices(self) -> list[torch.device]:
+        assert self.parallel_devices is not None, "the Trainer sets the devices"
+        return self.parallel_devices
 
     @property
     def root_device(self) -> torch.device:
-        return self.parallel_devices[0]
+        return self.devices[0]
 
     def _configure_launcher(self) -> None:
         # The Trainer calls this once, when accelerator and devices are known: the place to refuse a
@@ -243,7 +251,8 @@ class DataParallelStrategy(ParallelStrategy):
         self._launcher = None
 
     def setup(self, trainer: Any) -> None:
-        if len(self.parallel_devices) > 1 and any(
+        assert self.lightning_module is not None
+        if len(self.devices) > 1 and any(
             getattr(m, "_compiled_call_impl", None) for m in self.lightning_module.modules()
         ):
             # A compiled forward is bound to the root module: every replica would run the root's weights.
@@ -281,21 +290,23 @@ class DataParallelStrategy(ParallelStrategy):
         return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
     def _step(self, method: str, context: Callable, args: tuple, kwargs: dict) -> Any:
-        if len(self.parallel_devices) < 2:
+        if len(self.devices) < 2:
             return getattr(super(), method)(*args, **kwargs)
         if kwargs:
             raise TypeError(f"strategy=dp passes step arguments by position only, got {sorted(kwargs)}")
-        module = self.lightning_module
-        inputs = self.ops.scatter(args, self.parallel_devices)
-        devices = self.parallel_devices[: len(inputs)]  # a batch smaller than the GPU count uses fewer
+        module, ops = self.lightning_module, self.ops
+        assert module is not None and ops is not None, "set up by the Trainer before any step"
+        inputs = ops.scatter(args, self.devices)
+        devices = self.devices[: len(inputs)]  # a batch smaller than the GPU count uses fewer
         sizes = [len(t) if (t := _first_tensor(chunk)) is not None and t.dim() else 1 for chunk in inputs]
-        replicas = self.ops.replicate(_ReplicaStep(module, method, context), devices)
-        results = self.ops.parallel_apply(replicas, inputs, devices)
-        self._log_on_root(module, [r.module for r in replicas], [records for _, records in results], sizes)
+        replicas = ops.replicate(_ReplicaStep(module, method, context), devices)
+        results = ops.parallel_apply(replicas, inputs, devices)
+        steps = [replica.module for replica in replicas if isinstance(replica, _ReplicaStep)]
+        self._log_on_root(module, steps, [records for _, records in results], sizes)
         return _combine([output for output, _ in results], sizes, self.root_device)
 
     def _log_on_root(
-        self, module: nn.Module, replicas: list[nn.Module], records: list[list[Record]], sizes: list[int]
+        self, module: Any, replicas: list[nn.Module], records: list[list[Record]], sizes: list[int]
     ) -> None:
         """Log once what every replica logged: metric states combined, plain values reduced by their reduce_fx."""
         names = [[name for name, _, _ in replica_records] for replica_records in records]
@@ -311,6 +322,7 @@ class DataParallelStrategy(ParallelStrategy):
             values = [r[i][1] for r in records]
             if isinstance(value, Metric):
                 metric = module.get_submodule(paths[id(value)])
+                assert isinstance(metric, Metric)
                 if id(metric) not in combined:  # the same metric logged under two names is combined once
                     _combine_metric(metric, values, root)
                     combined.add(id(metric))
@@ -346,7 +358,7 @@ def _reduce_values(values: list[Any], sizes: list[int], reduce_fx: Any, root: to
     fx = getattr(reduce_fx, "__name__", reduce_fx)
     if fx == "mean":
         total = sum(sizes)
-        return sum(t * (n / total) for t, n in zip(tensors, sizes))
+        return torch.stack([t * (n / total) for t, n in zip(tensors, sizes)]).sum(0)
     stacked = torch.stack(tensors)
     if fx == "sum":
         return stacked.sum(0)

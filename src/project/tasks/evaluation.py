@@ -11,6 +11,7 @@ from project.errors import UserError
 from project.launch import sweeps
 from project.runs import checkpoints
 from project.runs.results import read_metrics, write_metrics
+from project.tasks.numerics import set_matmul_precision
 from project.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
     check_config(cfg)
     seed_run(cfg.seed)
+    set_matmul_precision(cfg.float32_matmul_precision)
     path = checkpoints.check_readable(cfg.ckpt_path)
     model, train_config = checkpoints.load_model(str(path))
     build.check(cfg)

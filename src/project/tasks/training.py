@@ -10,6 +10,7 @@ from project.config.schema import check_config
 from project.launch import environment, sweeps
 from project.runs import resume
 from project.runs.results import write_metrics
+from project.tasks.numerics import set_matmul_precision
 from project.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ def train(cfg: DictConfig) -> float | None:
     check_config(cfg)
     build.check(cfg)
     seed_run(cfg.seed)
+    set_matmul_precision(cfg.float32_matmul_precision)
     ckpt_path = resume.resume_point(Path(cfg.paths.output_dir), environment.restarted(), cfg.ckpt_path)
     if ckpt_path:
         resume.check_same_model(ckpt_path, cfg.model)

@@ -1,0 +1,71 @@
+"""The private parts of Lightning, torchmetrics, torch and OmegaConf this project relies on are still there.
+
+pyproject.toml bounds each package below its next major version; within a bound a private part can still
+move. When one of these fails after an upgrade, the named module of ours is the one to adapt.
+"""
+
+import inspect
+
+import pytest
+
+
+def test_lightning_internals_used_by_strategies_launch_and_loggers():
+    from lightning.fabric.utilities import distributed
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    # strategies/rendezvous.py: Lightning's own process-group setup, used under torchrun
+    assert list(inspect.signature(distributed._init_dist_connection).parameters)[:2] == [
+        "cluster_environment",
+        "torch_distributed_backend",
+    ]
+    assert callable(distributed._destroy_dist_connection)
+    # strategies/ddp.py and fsdp.py override the method that sets up the process group
+    assert callable(DDPStrategy.setup_distributed) and callable(ModelParallelStrategy._setup_distributed)
+    for strategy in (DDPStrategy(), ModelParallelStrategy()):
+        assert hasattr(strategy, "_timeout") and hasattr(strategy, "_process_group_backend")
+        assert callable(strategy._get_process_group_backend)
+    assert hasattr(DDPStrategy(), "_layer_sync")  # ddp.py: sync BatchNorm skipped on CPU
+    assert hasattr(ModelParallelStrategy(), "_data_parallel_size")  # fsdp.py: the mesh is all data parallel
+    # launch/sweeps.py: which trainers re-run the script for their ranks
+    assert "cluster_environment" in inspect.signature(_SubprocessScriptLauncher).parameters
+    # loggers/tensorboard.py writes the HParams summary through the writer's file writer
+    assert "default_hp_metric" in inspect.signature(TensorBoardLogger).parameters
+
+
+def test_torchmetrics_internals_used_by_dp():
+    from torchmetrics import MeanMetric
+
+    metric = MeanMetric()  # strategies/dp.py: replica metric states, and combining them on the root
+    for name in ("_wrap_update", "_wrap_compute", "_reduce_states", "_defaults"):
+        assert hasattr(metric, name), name
+    for name in ("_update_count", "_forward_cache", "_computed"):
+        assert name in vars(metric), name
+
+
+def test_torch_internals_used_by_dp_and_the_tensorboard_logger():
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    replica = torch.nn.Linear(1, 1)._replicate_for_data_parallel()  # strategies/dp.py: simulated replicas
+    assert replica._parameters == {} and set(replica._buffers) == set() and replica._modules == {}
+    assert callable(SummaryWriter._get_file_writer)
+    assert "master_listen_fd" in torch.distributed.TCPStore.__init__.__doc__  # strategies/rendezvous.py
+
+
+def test_omegaconf_internals_used_by_the_config_checks():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"a": 1, "b": "${a}"})  # build.py, config/schema.py
+    assert cfg._get_node("b")._value() == "${a}"
+
+
+@pytest.mark.parametrize("package", ["lightning", "torchmetrics", "torch", "hydra-core"])
+def test_installed_versions_are_within_the_bounds_of_pyproject(package):
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    (bound,) = [Requirement(r) for r in requires("project") if Requirement(r).name == package]
+    assert version(package) in bound.specifier, f"{package} {version(package)} outside {bound.specifier}"
