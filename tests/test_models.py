@@ -9,13 +9,13 @@ from conftest import REPO
 
 from project.models.lenet import LeNet
 from project.models.mlp import MLP
-from project.models.resnet import resnet18
+from project.models.resnet import ResNet18
 from project.tasks.training import train
 
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("net", [LeNet(), MLP(), resnet18()], ids=["lenet", "mlp", "resnet18"])
+@pytest.mark.parametrize("net", [LeNet(), MLP(), ResNet18()], ids=["lenet", "mlp", "resnet18"])
 def test_net_maps_digits_to_ten_logits_and_learns(net):
     x, y = torch.randn(8, 1, 28, 28), torch.arange(8) % 10
     assert net(x).shape == (8, 10)
@@ -47,3 +47,20 @@ def test_seed_zero_is_a_seed(make_cfg, tmp_path):
     other = _test_loss(make_cfg, tmp_path, 1)
     assert first == again
     assert first != other
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_checkpoint_of_each_model_rebuilds_through_the_safe_loader(make_cfg, tmp_path, model):
+    from omegaconf import OmegaConf
+
+    from project import build
+    from project.runs.checkpoints import load_model
+
+    cfg = make_cfg(f"model={model}")
+    module = build.model(cfg.model)
+    path = tmp_path / "model.ckpt"
+    torch.save({"hyper_parameters": OmegaConf.to_container(cfg, resolve=True), "state_dict": module.state_dict()}, path)
+    loaded, _ = load_model(str(path))
+    assert type(loaded.net) is type(module.net)
+    for key, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)

@@ -47,19 +47,12 @@ class ImageClassifier(L.LightningModule):
         return self.net(x)
 
     def configure_model(self) -> None:
-        """Shard the net when the strategy provides a device mesh (fsdp), then compile it if asked.
-
-        Lightning calls this for every fit/validate/test, so it must be idempotent.
+        """Let the strategy spread the net over its devices (fsdp shards it: project.strategies.parallelize),
+        then compile it if asked. Lightning calls this for every fit/validate/test: both steps are idempotent.
         """
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        if self.device_mesh is not None and not isinstance(self.net, FSDPModule):
-            mesh = self.device_mesh["data_parallel"]
-            # One FSDP unit per layer with weights: only the layer being computed is ever whole.
-            for module in list(self.net.modules())[1:]:
-                if any(True for _ in module.parameters(recurse=False)):
-                    fully_shard(module, mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
+        parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None
+        if parallelize is not None:
+            parallelize(self.net)
         if self.compile_net and not getattr(self, "_compiled", False):
             # Module.compile() compiles forward in place: state_dict keys stay the same, so checkpoints
             # load with or without compile.

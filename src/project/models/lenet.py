@@ -2,11 +2,14 @@
 
 from collections.abc import Sequence
 
-from torch import Tensor, nn
+from torch import nn
 
 
-class LeNet(nn.Module):
-    """Two conv-BN-ReLU-pool blocks and two linear layers; 28x28 input becomes 7x7 feature maps."""
+class LeNet(nn.Sequential):
+    """Two conv-BN-ReLU-pool blocks, then two linear layers; 28x28 input becomes 7x7 feature maps.
+
+    An nn.Sequential (features, then classifier), so model parallelism can cut it between any two layers.
+    """
 
     def __init__(
         self,
@@ -17,7 +20,6 @@ class LeNet(nn.Module):
         dropout: float = 0.0,
         image_size: int = 28,
     ) -> None:
-        super().__init__()
         blocks: list[nn.Module] = []
         c_in = in_channels
         for c_out in channels:
@@ -28,15 +30,14 @@ class LeNet(nn.Module):
                 nn.MaxPool2d(2),
             ]
             c_in = c_out
-        self.features = nn.Sequential(*blocks)
         side = image_size // 2 ** len(channels)
-        self.classifier = nn.Sequential(
+        classifier = nn.Sequential(
             nn.Flatten(),
             nn.Linear(c_in * side * side, hidden),
             nn.ReLU(inplace=True),
             nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.features(x))
+        super().__init__()
+        self.features = nn.Sequential(*blocks)
+        self.classifier = classifier

@@ -2,11 +2,14 @@
 
 from collections.abc import Sequence
 
-from torch import Tensor, nn
+from torch import nn
 
 
-class MLP(nn.Module):
-    """Flatten, then Linear-ReLU(-Dropout) per hidden width, then a linear head."""
+class MLP(nn.Sequential):
+    """Flatten, then Linear-ReLU(-Dropout) per hidden width, then a linear head.
+
+    An nn.Sequential, so model parallelism can cut it between any two layers.
+    """
 
     def __init__(
         self,
@@ -15,7 +18,6 @@ class MLP(nn.Module):
         num_classes: int = 10,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
         for h in hidden:
@@ -24,7 +26,5 @@ class MLP(nn.Module):
                 layers.append(nn.Dropout(dropout))
             width = h
         layers.append(nn.Linear(width, num_classes))
+        super().__init__()
         self.layers = nn.Sequential(*layers)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.layers(x)

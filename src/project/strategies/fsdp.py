@@ -12,12 +12,14 @@ ordinary file on rank 0 instead (needs the whole model in CPU memory there).
 """
 
 from datetime import timedelta
+from typing import Any
 
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 
 from project.strategies import rendezvous
+from project.strategies.parallelize import fully_shard_blocks
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -44,6 +46,10 @@ class FSDPStrategy(ModelParallelStrategy):
         # for FSDP every process is a data-parallel shard, or two ranks would get the same batches.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def parallelize(self, net: Any) -> None:
+        """Called by the LightningModule's configure_model: shard `net` over this strategy's mesh."""
+        fully_shard_blocks(net, self.device_mesh["data_parallel"])
 
     def _setup_distributed(self) -> None:
         # ModelParallelStrategy's own, with our rendezvous in place of _init_dist_connection
