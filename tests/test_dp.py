@@ -15,7 +15,8 @@ from torchmetrics import Metric
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
-from project.strategies.dp import DataParallelStrategy, _combine, _split, simulated_ops
+from project.strategies.dp import DataParallelStrategy, _split, simulated_ops
+from project.strategies.pieces import combine
 
 
 class StepLosses(L.Callback):
@@ -104,8 +105,8 @@ def test_split_chunks_tensors_and_copies_the_rest():
 def test_combine_weights_scalars_by_chunk_size_and_concatenates_batches():
     root = torch.device("cpu")
     losses = [torch.tensor(1.0), torch.tensor(4.0)]
-    assert _combine(losses, [3, 1], root).item() == pytest.approx(1.75)
-    out = _combine(
+    assert combine(losses, [3, 1], root).item() == pytest.approx(1.75)
+    out = combine(
         [{"loss": torch.tensor(2.0), "preds": torch.zeros(3)}, {"loss": torch.tensor(2.0), "preds": torch.ones(1)}],
         [3, 1],
         root,
@@ -143,7 +144,7 @@ def test_values_metrics_and_custom_metrics_logged_in_replicas_combine_exactly():
 
 
 def test_replicas_that_log_different_keys_are_an_error_not_a_silent_mix():
-    with pytest.raises(MisconfigurationException, match="replicas logged different keys"):
+    with pytest.raises(MisconfigurationException, match="pieces of one batch logged different keys"):
         fit(DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3, LogsPerChunk)
 
 

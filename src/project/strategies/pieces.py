@@ -1,0 +1,164 @@
+"""Running a LightningModule step on pieces of a batch and logging once, as one step on the whole batch would.
+
+`dp` splits a batch across GPUs (one replica per piece); `pipeline` across micro-batches. Either way each piece
+runs the user's step, `self.log` calls are recorded instead of logged (several threads or pieces must not write
+into the trainer's one result store), and then logged once: plain values reduced by their `reduce_fx` (the mean
+weighted by piece size), torchmetrics objects merged into the module's own metric (their states add up exactly).
+"""
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+Record = tuple[str, Any, dict[str, Any]]
+
+
+def first_tensor(obj: Any) -> Tensor | None:
+    if isinstance(obj, Tensor):
+        return obj
+    items = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A metric state (a tensor, or a list of them for cat states) on `device`."""
+    return value.to(device) if isinstance(value, Tensor) else [v.to(device) for v in value]
+
+
+def fresh_metric_states(module: nn.Module, device: torch.device) -> None:
+    """Make a replica's metrics its own. Replicas are shallow copies, and a torchmetrics Metric keeps its
+    wrapped `update`/`compute` in its instance dict bound to the original: a replica would update the root's
+    state, from several threads at once. So: rebind them to the replica, and give it empty states on its
+    device (not via reset(), which clears list states in place, the root's included)."""
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            cls = type(metric)
+            metric.__dict__["update"] = metric._wrap_update(cls.update.__get__(metric, cls))
+            metric.__dict__["compute"] = metric._wrap_compute(cls.compute.__get__(metric, cls))
+            for name, default in metric._defaults.items():
+                fresh: Tensor | list[Tensor] = (
+                    default.detach().clone().to(device) if isinstance(default, Tensor) else []
+                )
+                object.__setattr__(metric, name, fresh)
+            metric._update_count, metric._forward_cache, metric._computed = 0, None, None
+
+
+class PieceStep(nn.Module):
+    """Runs one LightningModule step on a piece of a batch (in a dp replica), recording `self.log` calls."""
+
+    def __init__(self, module: nn.Module, method: str, context: Callable[[], AbstractContextManager]) -> None:
+        super().__init__()
+        self.module = module
+        self.method, self.context = method, context
+
+    def forward(self, *args: Any) -> tuple[Any, list[Record]]:
+        module, records = self.module, []
+        tensor = first_tensor(args)
+        device = tensor.device if tensor is not None else torch.device("cpu")
+        module.__dict__["_device"] = device  # LightningModule.device of this replica
+        fresh_metric_states(module, device)
+        # An instance attribute shadows LightningModule.log in this replica only (log_dict calls it too).
+        module.__dict__["log"] = lambda name, value, **kwargs: records.append((name, value, kwargs))
+        try:
+            with self.context():  # autocast is thread-local: enter the precision context in each replica's thread
+                output = getattr(module, self.method)(*args)
+        finally:
+            del module.__dict__["log"]
+        return output, records
+
+
+def combine(outputs: list[Any], sizes: list[int], root: torch.device) -> Any:
+    """Scalars: mean weighted by chunk size (the full-batch mean). Batched tensors: concatenated in order."""
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, Tensor):
+        if first.dim() == 0:
+            total = sum(sizes)
+            return sum(o.to(root) * (n / total) for o, n in zip(outputs, sizes))
+        return torch.cat([o.to(root) for o in outputs])
+    if isinstance(first, Mapping):
+        mapping: Any = type(first)
+        return mapping((k, combine([o[k] for o in outputs], sizes, root)) for k in first)
+    if isinstance(first, (list, tuple)):
+        return type(first)(combine(list(parts), sizes, root) for parts in zip(*outputs))
+    if isinstance(first, (int, float)):
+        return sum(o * n for o, n in zip(outputs, sizes)) / sum(sizes)
+    return first
+
+
+def log_once(
+    module: Any, pieces: list[nn.Module], records: list[list[Record]], sizes: list[int], root: torch.device
+) -> None:
+    """Log once what every piece logged: metric states combined, plain values reduced by their reduce_fx.
+    `pieces` are the module copies that ran the pieces (their metrics hold the pieces' states)."""
+    names = [[name for name, _, _ in piece_records] for piece_records in records]
+    if any(n != names[0] for n in names[1:]):
+        raise MisconfigurationException(
+            f"the pieces of one batch logged different keys ({names}); a step's self.log calls must not "
+            "depend on which part of the batch it got"
+        )
+    total = sum(sizes)
+    paths = {id(m): p for p, m in pieces[0].named_modules()}
+    combined: set[int] = set()
+    for i, (name, value, kwargs) in enumerate(records[0]):
+        values = [r[i][1] for r in records]
+        if isinstance(value, Metric):
+            metric = module.get_submodule(paths[id(value)])
+            assert isinstance(metric, Metric)
+            if id(metric) not in combined:  # the same metric logged under two names is combined once
+                combine_metric(metric, values, root)
+                combined.add(id(metric))
+            module.log(name, metric, **kwargs)
+        else:
+            module.log(
+                name,
+                reduce_values(values, sizes, kwargs.get("reduce_fx", "mean"), root),
+                **{"batch_size": total, **kwargs},
+            )
+
+
+def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device) -> None:
+    """Add the replicas' states into the root metric, and set its step value to the whole batch's.
+
+    States are combined through their own reductions (`_reduce_states`), as Metric.forward and DDP's
+    metric sync do: exact for sums, counts, maxima and concatenations, whatever `full_state_update` says.
+    """
+    step = metric.clone()
+    step.reset()
+    for replica in replica_metrics:
+        state = {k: to_device(v, root) for k, v in replica.metric_state.items()}
+        for target in (metric, step):
+            target._update_count += replica._update_count  # first: mean-reduced states divide by it
+            target._reduce_states(state)
+    metric._computed = None
+    metric._forward_cache = step.compute()  # what Lightning logs for on_step=True
+
+
+def reduce_values(values: list[Any], sizes: list[int], reduce_fx: Any, root: torch.device) -> Tensor:
+    """Plain logged values of the replicas as one: the mean weighted by chunk size, or their sum, max or min."""
+    tensors = [torch.as_tensor(v, dtype=torch.float32).to(root) for v in values]
+    fx = getattr(reduce_fx, "__name__", reduce_fx)
+    if fx == "mean":
+        total = sum(sizes)
+        return torch.stack([t * (n / total) for t, n in zip(tensors, sizes)]).sum(0)
+    stacked = torch.stack(tensors)
+    if fx == "sum":
+        return stacked.sum(0)
+    if fx == "max":
+        return stacked.amax(0)
+    if fx == "min":
+        return stacked.amin(0)
+    raise MisconfigurationException(
+        f"strategy=dp cannot combine values logged with reduce_fx={reduce_fx!r}; "
+        "use mean, sum, max or min, or log a torchmetrics Metric"
+    )
