@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-fast lint train tensorboard devices clean
+.PHONY: install test test-fast lint bench-pipeline train tensorboard devices clean
 
 install: $(BIN)/python  ## create .venv and install the project with its dev tools
 	$(BIN)/pip install --upgrade pip
@@ -22,6 +22,9 @@ lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on s
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+bench-pipeline:  ## one device vs plain split vs pipelined split: benchmarks/results/pipeline.{json,png}
+	$(BIN)/python benchmarks/pipeline.py
 
 train:  ## train the default model on the default data
 	$(BIN)/python train.py

@@ -1,6 +1,7 @@
 """Strategies this project adds to Lightning's, registered by name so `trainer.strategy=<name>` works.
 
 - dp: DataParallel, removed from Lightning 2.0, rebuilt here (dp.py).
+- pipe: model parallelism in one process, a stage of the net per device, micro-batches pipelined (pipe.py).
 - ddp, ddp_spawn: Lightning's, with sync_batchnorm that is skipped (not fatal) on CPU (ddp.py).
 - fsdp: FSDP2 through Lightning's ModelParallelStrategy, on CPU and GPU (fsdp.py); built by
   project.build from the name, because Lightning reserves the string "fsdp" for its GPU-only FSDP1.
@@ -10,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from project.strategies.ddp import DDPStrategy
 from project.strategies.dp import DataParallelStrategy
+from project.strategies.pipe import PipeStrategy
 
 
 def register() -> None:
@@ -17,6 +19,9 @@ def register() -> None:
     DDPStrategy.register_strategies(StrategyRegistry)
     StrategyRegistry.register(
         "dp", DataParallelStrategy, description="DataParallel: one process, several GPUs", override=True
+    )
+    StrategyRegistry.register(
+        "pipe", PipeStrategy, description="Pipelined model parallelism: one process, a stage per device", override=True
     )
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
+from project.strategies.one_process import OneProcessStrategy
 from project.strategies.pieces import PieceStep, combine, first_tensor, log_once
 
 
@@ -95,7 +95,7 @@ def simulated_ops() -> ReplicaOps:
     )
 
 
-class DataParallelStrategy(ParallelStrategy):
+class DataParallelStrategy(OneProcessStrategy):
     """Single-process multi-GPU training (torch DataParallel) as a Lightning 2 strategy.
 
     Prefer ddp: it is faster and scales past one machine. dp is for one machine when multi-process
@@ -121,36 +121,6 @@ class DataParallelStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.ops = ops
-
-    # One process: rank 0 of 1, whatever the cluster environment says.
-    @property
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    def is_distributed(self) -> bool:
-        return False
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {}  # one loader; the batch is split per step
-
-    @property
-    def devices(self) -> list[torch.device]:
-        assert self.parallel_devices is not None, "the Trainer sets the devices"
-        return self.parallel_devices
 
     @property
     def root_device(self) -> torch.device:
@@ -183,18 +153,6 @@ class DataParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return tensor  # one process: the step outputs are already combined
-
-    def barrier(self, name: str | None = None) -> None:
-        pass
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
