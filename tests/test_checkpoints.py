@@ -53,6 +53,13 @@ def hostile_models(tmp: Path) -> dict[str, dict]:
         },
         "resolver": net("project.models.mlp.MLP", in_features=f"${{run_dir:{tmp / 'resolver.pwned'}}}"),
         "function": net("torch.nn.init.normal_"),  # allowed package, but a function, not a class
+        # an allowed module's attributes lead anywhere: LPIPS downloads VGG weights when built
+        "walk": net(
+            "project.models.classifier.L._graveyard._torchmetrics.torchmetrics.image.LearnedPerceptualImagePatchSimilarity",
+            net_type="vgg",
+        ),
+        "reexport": net("project.models.classifier.MeanMetric"),  # imported into an allowed module, defined outside
+        "huge": net("torch.nn.Linear", in_features=10**6, out_features=10**6),  # 4 TB, unless checked on meta
         "not_a_lightning_module": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
     }
 
@@ -78,12 +85,15 @@ def hostile_dir(tmp_path, monkeypatch):
         "resolver",
         "function",
         "not_a_lightning_module",
+        "walk",
+        "reexport",
+        "huge",
     ],
 )
 def test_a_hostile_checkpoint_is_refused_and_runs_nothing(hostile_dir, name):
     model = hostile_models(hostile_dir)[name]
     path = hostile_dir / f"{name}.ckpt"
-    torch.save({"hyper_parameters": {"model": model}, "state_dict": {}}, path)
+    torch.save({"hyper_parameters": {"model": model}, "state_dict": {"x": torch.zeros(1)}}, path)
     with pytest.raises(UserError, match="refused") as info:
         load_model(str(path))
     assert "\n" not in str(info.value)
@@ -160,3 +170,15 @@ def test_a_checkpoint_from_elsewhere_has_no_run_config(tmp_path):
     torch.save({"state_dict": {}}, path)
     with pytest.raises(UserError, match="holds no run config"):
         load_model(str(path))
+
+
+def test_a_checkpoint_asking_for_compile_is_loaded_without_compiling(tmp_path):
+    import hydra
+
+    model = hydra.utils.instantiate(MLP_MODEL)
+    path = tmp_path / "compiled.ckpt"
+    torch.save(
+        {"hyper_parameters": {"model": {**MLP_MODEL, "compile": "inductor"}}, "state_dict": model.state_dict()}, path
+    )
+    loaded, _ = load_model(str(path))
+    assert loaded.compile_net is False

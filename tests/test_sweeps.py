@@ -78,3 +78,18 @@ def test_a_crashing_rank_fails_its_job_and_the_sweep_goes_on(tmp_path):
     assert (root / "0" / ".hydra" / "overrides.yaml").is_file()  # the failed job stays inspectable
     assert (root / "1" / "test_metrics.json").is_file()  # the next job ran to the end
     assert (tmp_path / "probe" / "seed2_rank1.json").is_file()
+
+
+def test_every_failed_job_is_one_line_and_the_sweep_goes_on(tmp_path):
+    env = {"PROJECT_PROFILE": "tiny"}
+    proc = sweep(tmp_path, "model=mlp", "model.optimizer.lr=-1,0.01,-2", env=env)
+    assert proc.returncode == 2
+    (root,) = sweep_dirs(tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Error executing job" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert sum("Invalid learning rate: -1" in line for line in errors) == 2  # as each job fails
+    assert errors[-1] == f"error: 2 of 3 sweep jobs failed; see {root}/<job>/error.txt"
+    assert (root / "1" / "test_metrics.json").is_file()  # the good job between them ran to its end
+    for job in ("0", "2"):
+        text = (root / job / "error.txt").read_text()
+        assert text.startswith("model.optimizer: ValueError: Invalid learning rate") and "Traceback" in text

@@ -144,8 +144,11 @@ def _check_factories(node: Any, where: str) -> None:
                 trial = lambda factory: factory(optimizer)  # noqa: E731
             if trial is not None:
                 try:
-                    trial(hydra.utils.instantiate(node))
-                except (ValueError, TypeError) as e:
+                    built = trial(hydra.utils.instantiate(node))
+                    if isinstance(built, torch.optim.lr_scheduler.LRScheduler):
+                        optimizer.step()  # no gradients: changes nothing, but comes first as torch expects
+                        built.step()  # T_max=0 divides by zero only here
+                except Exception as e:
                     raise UserError(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}") from e
     for key, value in node.items_ex(resolve=False):
         _check_factories(value, f"{where}.{key!s}")
@@ -187,9 +190,31 @@ def named(cfg: DictConfig | None, group: str) -> list[Any]:
     return [instantiate(node, f"{group}.{name!s}") for name, node in (cfg or {}).items() if node is not None]
 
 
+# Trainer settings Lightning takes without a check and fails on much later (a division by zero in epoch 1).
+_AT_LEAST = {
+    "check_val_every_n_epoch": 1,
+    "log_every_n_steps": 1,
+    "accumulate_grad_batches": 1,
+    "num_nodes": 1,
+    "max_epochs": -1,
+    "min_epochs": 0,
+    "max_steps": -1,
+    "reload_dataloaders_every_n_epochs": 0,
+}
+
+
+def _check_trainer_numbers(cfg: DictConfig) -> None:
+    for key, least in _AT_LEAST.items():
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise UserError(f"trainer.{key}={value}: must be at least {least}")
+
+
 def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any], launch: Any = None) -> Any:
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
+
+    _check_trainer_numbers(cfg)
 
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     callbacks = _callbacks_for(callbacks, loggers)

@@ -14,7 +14,9 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.errors import UserError, exit_with
+from project.errors import UserError, exit_with, user_error_in
+from project.launch import sweeps
+from project.launch.sweeps import record_failure
 from project.runs.dirs import remove_if_unused
 
 # Set by the user to see full tracebacks; copied at the first start so launched ranks keep it.
@@ -52,16 +54,6 @@ def _composition_error(e: CompactHydraException) -> str:
     return message
 
 
-def _user_error_in(e: BaseException) -> UserError | None:
-    """A UserError raised inside a resolver or a Hydra callback arrives wrapped by OmegaConf or Hydra."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, UserError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def _with_profile(argv: list[str]) -> list[str]:
     """$PROJECT_PROFILE=<name> adds `profile=<name>` (conf/profile/): the documented way to shrink every command,
     for tests. Ranks and sweep jobs that a run starts inherit both the variable and the override."""
@@ -73,42 +65,58 @@ def _with_profile(argv: list[str]) -> list[str]:
 
 def cli(hydra_main: Callable[[], Any]) -> None:
     """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
-    from project.launch.sweeps import remember_entry_script
-
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
-    remember_entry_script()
+    sweeps.remember_entry_script()
     try:
         hydra_main()
     except Exception as e:
-        user_error = _user_error_in(e)
+        user_error = user_error_in(e)
         if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
             raise
         exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
 
 
 def _one_console_output() -> None:
-    """`import lightning` adds a console handler of its own; under Hydra the root logger already prints
-    (and writes <run>/<task>.log), so every Lightning message would show twice."""
+    """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
+    prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
+    `error:` lines belong."""
+    import lightning.pytorch  # noqa: F401  adds its handlers on import: remove them after, not before
+
     if logging.getLogger().handlers:
-        for handler in list(logging.getLogger("lightning").handlers):
-            if type(handler) is logging.StreamHandler:
-                logging.getLogger("lightning").removeHandler(handler)
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+            for handler in list(logging.getLogger(name).handlers):
+                if type(handler) is logging.StreamHandler:
+                    logging.getLogger(name).removeHandler(handler)
+
+
+def _error_line(error: BaseException) -> str:
+    if isinstance(error, UserError):
+        return str(error)
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _config_error(error: BaseException) -> bool:
+    """Lightning says a setting cannot work (MisconfigurationException): a user's mistake, not a bug."""
+    return isinstance(error, UserError) or type(error).__name__ == "MisconfigurationException"
 
 
 def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
-    """Call `task(cfg)`; a UserError leaves no run dir behind and becomes `error: ...` on stderr with exit
-    code 2. In a sweep it fails this job only: Hydra records it, runs the other jobs, and reports at the end."""
+    """Call `task(cfg)`. A mistake leaves no run dir behind and becomes one `error: ...` line on stderr with exit
+    code 2. In a sweep, any failure fails this job only: one line on stderr, the traceback in the job's
+    error.txt, and the sweep goes on (project.launch.sweeps.SweepReport exits non-zero at its end)."""
     _one_console_output()
+    hc = HydraConfig.get()
     try:
         return task(cfg)
-    except UserError as e:
+    except Exception as e:
         if full_error():
             raise
-        hc = HydraConfig.get()
-        remove_if_unused(Path(hc.runtime.output_dir))
         if hc.mode == RunMode.MULTIRUN:
-            print(f"error: {e}", file=sys.stderr)
-            raise
-        exit_with(e)
+            record_failure(Path(hc.runtime.output_dir), _error_line(e))
+            return None
+        if not _config_error(e):
+            raise  # a bug: its traceback is the useful report
+        remove_if_unused(Path(hc.runtime.output_dir))
+        exit_with(e if isinstance(e, UserError) else UserError(_error_line(e)))

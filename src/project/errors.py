@@ -13,3 +13,13 @@ def exit_with(error: UserError) -> NoReturn:
     exception, also passes through code that turns exceptions into warnings (Hydra's callbacks)."""
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def user_error_in(error: BaseException) -> UserError | None:
+    """A UserError raised inside a resolver or a Hydra callback arrives wrapped by OmegaConf or Hydra."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -13,11 +13,14 @@ sweeper and local launcher.
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from project.errors import UserError
 
@@ -97,10 +100,34 @@ def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
     env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
     proc = subprocess.run(job_command(), cwd=hc.runtime.cwd, env=env)
     if proc.returncode != 0:
-        raise UserError(
-            f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) exited with code {proc.returncode}: "
-            f"its error is printed above"
-        )
+        raise UserError(f"its processes exited with code {proc.returncode}; their error is printed above")
     from project.runs.results import read_metrics
 
     return objective(read_metrics(run_dir), optimized_metric)
+
+
+ERROR_FILE = "error.txt"
+
+
+def record_failure(job_dir: Path, line: str) -> None:
+    """A failed sweep job: its one-line error on stderr, and with the traceback in <job>/error.txt, where
+    SweepReport and the sweep summary find it whatever launcher ran the job."""
+    hc = HydraConfig.get()
+    print(f"error: sweep job {hc.job.num} ({' '.join(hc.overrides.task)}): {line}", file=sys.stderr)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / ERROR_FILE).write_text(f"{line}\n\n{traceback.format_exc()}")
+
+
+class SweepReport(Callback):
+    """At the end of a sweep: every failed job in one line each, and a non-zero exit if any failed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
+        failed = sorted(sweep_dir.glob(f"*/{ERROR_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name))
+        if not failed:
+            return
+        jobs = sum(1 for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir())
+        for path in failed:
+            print(f"error: sweep job {path.parent.name}: {path.read_text().splitlines()[0]}", file=sys.stderr)
+        print(f"error: {len(failed)} of {jobs} sweep jobs failed; see {sweep_dir}/<job>/{ERROR_FILE}", file=sys.stderr)
+        raise SystemExit(2)  # an exception would become a warning: Hydra's callbacks catch them

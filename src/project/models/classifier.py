@@ -30,6 +30,11 @@ class ImageClassifier(L.LightningModule):
         compile: bool | str = False,
     ) -> None:
         super().__init__()
+        if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
+            backends = ", ".join(torch.compiler.list_backends(exclude_tags=()))
+            raise ValueError(
+                f"compile={compile!r} is not a torch.compile backend; use true, false or one of {backends}"
+            )
         self.net = net
         self.compile_net = compile
         self.optimizer_factory = optimizer

@@ -20,6 +20,11 @@ class LeNet(nn.Sequential):
         dropout: float = 0.0,
         image_size: int = 28,
     ) -> None:
+        if min((in_channels, num_classes, hidden, *channels)) < 1 or image_size < 2 ** len(channels):
+            raise ValueError(
+                f"widths must be >= 1 and image_size >= 2^{len(channels)}: in_channels={in_channels}, "
+                f"channels={list(channels)}, hidden={hidden}, num_classes={num_classes}, image_size={image_size}"
+            )
         blocks: list[nn.Module] = []
         c_in = in_channels
         for c_out in channels:

@@ -18,6 +18,10 @@ class MLP(nn.Sequential):
         num_classes: int = 10,
         dropout: float = 0.0,
     ) -> None:
+        if min((in_features, num_classes, *hidden)) < 1:
+            raise ValueError(
+                f"widths must be >= 1: in_features={in_features}, hidden={list(hidden)}, num_classes={num_classes}"
+            )
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
         for h in hidden:

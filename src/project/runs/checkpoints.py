@@ -83,6 +83,25 @@ def _kinds() -> dict[str, tuple[type, ...]]:
     return {"model": (L.LightningModule,), "data": (L.LightningDataModule,), "part": parts}
 
 
+def _class_of(target: str, where: str) -> Any:
+    """`package.module.Class` by importing the module and taking one attribute: no walk through other modules'
+    attributes (`project.models.classifier.L.<anything>` reaches far beyond the allowed packages), and the
+    class itself must be defined in an allowed package."""
+    import importlib
+
+    module_name, _, name = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UserError(f"{where}._target_={target!r}: not a class of a module of the allowed packages; refused") from e
+    defined_in = f"{getattr(obj, '__module__', '')}."
+    if not defined_in.startswith(ALLOWED_MODULES):
+        raise UserError(
+            f"{where}._target_={target!r}: defined in {defined_in[:-1]}, outside the allowed packages; refused"
+        )
+    return obj
+
+
 def check_buildable(node: Any, where: str, kind: str = "part") -> None:
     """Raise unless every `_target_` under `node` is a class of the allowed packages and of the kind its
     place allows. Module paths are checked before anything is imported, so a checkpoint cannot import code."""
@@ -94,6 +113,9 @@ def check_buildable(node: Any, where: str, kind: str = "part") -> None:
         raise UserError(f"{where}={node!r}: a checkpoint's config holds resolved values, not interpolations; refused")
     if not isinstance(node, dict):
         return
+    for key in node:
+        if not isinstance(key, str) or "${" in key:
+            raise UserError(f"{where}: a checkpoint's config has plain string keys, not {key!r}; refused")
     if "_target_" in node:
         target = node["_target_"]
         if not isinstance(target, str) or not target.startswith(ALLOWED_MODULES):
@@ -101,12 +123,7 @@ def check_buildable(node: Any, where: str, kind: str = "part") -> None:
                 f"{where}._target_={target!r}: a checkpoint may only name classes of {', '.join(ALLOWED_MODULES)}; "
                 "refused (the file may come from someone else)"
             )
-        import hydra
-
-        try:
-            obj = hydra.utils.get_object(target)
-        except Exception as e:
-            raise UserError(f"{where}._target_={target!r}: cannot be imported ({e})") from e
+        obj = _class_of(target, where)
         allowed = _kinds()[kind]
         if not inspect.isclass(obj) or not issubclass(obj, allowed):
             names = " or ".join(c.__name__ for c in allowed)
@@ -115,16 +132,76 @@ def check_buildable(node: Any, where: str, kind: str = "part") -> None:
         check_buildable(value, f"{where}.{key}")
 
 
+def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
+    """The model of a checkpoint's config: first on the meta device (no memory), checked against the
+    checkpoint's own weights, so that a config asking for a 4 TB layer fails before allocating it."""
+    import hydra
+    import torch
+
+    config = {**config, "compile": False}  # a test needs no compiler run, and the file does not choose one
+    try:
+        if state_dict is not None:
+            with torch.device("meta"):
+                shapes = {k: tuple(v.shape) for k, v in hydra.utils.instantiate(config).state_dict().items()}
+            stored = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+            if shapes != stored:
+                different = sorted(set(shapes) ^ set(stored)) or [k for k in shapes if shapes[k] != stored[k]]
+                raise UserError(
+                    f"ckpt_path={path}: its weights do not fit the model its config describes ({different[:3]}); "
+                    "refused"
+                )
+        return hydra.utils.instantiate(config)
+    except UserError:
+        raise
+    except Exception as e:  # a value the class refuses, folded into one line
+        cause = e.__cause__ if e.__cause__ is not None else e
+        raise UserError(
+            f"ckpt_path={path}: its model config cannot be built ({type(cause).__name__}: "
+            f"{' '.join(str(cause).split())[:300]})"
+        ) from e
+
+
 def load_model(path: str) -> tuple[Any, dict]:
     """Rebuild the LightningModule from the run config stored in the checkpoint, with its weights loaded
     unless the checkpoint is sharded (then the fsdp strategy loads them: trainer.test(ckpt_path=...))."""
-    import hydra
-
     p = check_readable(path)
     ckpt = load(p)
     config = run_config(p, ckpt)
     check_buildable(config["model"], "model", kind="model")
-    model = hydra.utils.instantiate(config["model"])
-    if not is_sharded(p):
-        model.load_state_dict(ckpt["state_dict"])
+    state_dict = None if is_sharded(p) else ckpt.get("state_dict")
+    if not is_sharded(p) and not isinstance(state_dict, dict):
+        raise UserError(f"ckpt_path={path}: holds no weights (state_dict); it is not a checkpoint of a trained model")
+    model = _build(config["model"], p, state_dict)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
     return model, config
+
+
+def check_weights_fit(path: str, model: Any) -> None:
+    """A checkpoint to continue from must hold weights of this model's shapes, or Lightning's restore fails
+    deep in load_state_dict."""
+    p = check_readable(path)
+    if is_sharded(p):
+        return
+    stored = load(p, mmap=True).get("state_dict") or {}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in stored.items() if hasattr(v, "shape")}
+    if shapes != found:
+        different = sorted(set(shapes) ^ set(found)) or [k for k in shapes if shapes[k] != found[k]]
+        raise UserError(f"ckpt_path={path}: its weights do not fit this run's model ({different[:3]}); use its config")
+
+
+def check_resumable(path: str) -> None:
+    """The parts of a checkpoint Lightning restores when training continues, present and of the right kind:
+    otherwise Lightning fails deep inside the restore with a KeyError or an AttributeError."""
+    p = check_readable(path)
+    if is_sharded(p):
+        return  # the strategy's distributed checkpoint loader checks its shards itself
+    ckpt = load(p, mmap=True)
+    expected = {"epoch": int, "global_step": int, "state_dict": dict, "loops": dict, "optimizer_states": list}
+    for key, kind in expected.items():
+        if not isinstance(ckpt.get(key), kind):
+            raise UserError(f"ckpt_path={path}: its {key!r} is missing or not a {kind.__name__}; cannot resume from it")
+    for state in ckpt["optimizer_states"]:
+        if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+            raise UserError(f"ckpt_path={path}: its optimizer state is damaged; cannot resume from it")

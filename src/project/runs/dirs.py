@@ -8,6 +8,7 @@ import os
 import shutil
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from project.errors import UserError
 from project.launch import environment
@@ -48,7 +49,9 @@ def run_dir(parent: str) -> str:
     """`parent/<start time>` (made unique); for ranks started by torchrun or srun a name they share; for a
     SLURM batch script's own runs a name that survives a requeue."""
     try:
+        missing = [p for p in (Path(parent), *Path(parent).parents) if not p.exists()]
         os.makedirs(parent, exist_ok=True)
+        CREATED.update(str(p.resolve()) for p in missing)  # logs/, logs/train/, ...: ours to remove if unused
         name = environment.shared_run_name()
         job = environment.slurm_batch_job()
         if name is None and job is not None:
@@ -85,3 +88,28 @@ def remove_if_unused(run_dir: Path) -> None:
         if path.is_file() and ".hydra" not in path.relative_to(run_dir).parts and path.suffix != ".log":
             return
     shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.resolve().parents:  # the folders this process made for it, if nothing else is there
+        if str(parent) not in CREATED:
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def make_output_dirs(cfg: Any) -> None:
+    """Every directory the run will write to, made now: an unwritable one (a logger's save_dir, a checkpoint
+    dirpath, paths.output_dir) fails at start with its key named, not after an epoch of training."""
+    wanted = {"paths.output_dir": cfg.paths.output_dir}
+    if cfg.get("trainer") is not None and cfg.trainer.get("default_root_dir"):
+        wanted["trainer.default_root_dir"] = cfg.trainer.default_root_dir
+    for group in ("logger", "callbacks"):
+        for name, node in (cfg.get(group) or {}).items():
+            for key in ("save_dir", "dirpath"):
+                if node is not None and node.get(key):
+                    wanted[f"{group}.{name}.{key}"] = node[key]
+    for key, path in wanted.items():
+        try:
+            os.makedirs(str(path), exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e

@@ -6,6 +6,7 @@ check inside the task comes too late to leave another run's files alone. `on_run
 exits here (project.errors.exit_with).
 """
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,27 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from project.entry import full_error
-from project.errors import UserError, exit_with
+from project.errors import UserError, exit_with, user_error_in
 from project.launch import environment
 from project.runs.dirs import holds_checkpoints
 
+_TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
-def _refuse(run_dir: Path) -> UserError:
+
+def _stop(error: UserError) -> None:
+    if full_error():
+        raise SystemExit(error)  # PROJECT_FULL_ERROR=1: with the traceback of where it stopped
+    exit_with(error)
+
+
+def _stop_on(error: Exception) -> None:
+    found = user_error_in(error)
+    if found is None:
+        raise error
+    _stop(found)
+
+
+def _refuse_checkpoints(run_dir: Path) -> UserError:
     return UserError(
         f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
         f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}; for a new run use a new directory "
@@ -27,10 +43,29 @@ def _refuse(run_dir: Path) -> UserError:
     )
 
 
-def _stop(error: UserError) -> None:
-    if full_error():
-        raise SystemExit(error)  # PROJECT_FULL_ERROR=1: with the traceback of where it stopped
-    exit_with(error)
+def _enclosing_run(path: Path) -> Path | None:
+    """The run directory `path` would sit inside, if any: a run's files are its own, not a parent for more."""
+    for parent in path.resolve().parents:
+        if (parent / ".hydra" / "config.yaml").is_file() or holds_checkpoints(parent):
+            return parent
+    return None
+
+
+def _directory(config: DictConfig, key: str) -> Path:
+    """The run or sweep dir, resolved (our run_dir resolver claims it) and made, or one line saying why not."""
+    HydraConfig.instance().set_config(config)
+    name = str(config.task_name)
+    if not _TASK_NAME.fullmatch(name) or name in (".", ".."):
+        raise UserError(f"task_name={name!r}: a name (letters, digits, _ . -), it names the logs/<task_name> folder")
+    path = Path(str(OmegaConf.select(config, key)))
+    inside = _enclosing_run(path)
+    if inside is not None:
+        raise UserError(f"{key}={path} is inside the directory of another run ({inside}); choose a new directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
+    return path
 
 
 class RunDirGuard(Callback):
@@ -40,16 +75,20 @@ class RunDirGuard(Callback):
         # Ranks that Lightning or a sweep job started join a directory their parent already checked.
         if config.hydra.output_subdir is None or environment.restarted():
             return
-        HydraConfig.instance().set_config(config)
-        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir")))
-        if holds_checkpoints(run_dir):
-            _stop(_refuse(run_dir))
+        try:
+            run_dir = _directory(config, "hydra.run.dir")
+            if holds_checkpoints(run_dir):
+                raise _refuse_checkpoints(run_dir)
+        except Exception as e:  # a UserError, or one raised inside a resolver, which OmegaConf wraps
+            _stop_on(e)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if environment.restarted():
             return
-        HydraConfig.instance().set_config(config)
-        sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
-        for job_dir in sorted(sweep_dir.glob("*")):
-            if job_dir.is_dir() and holds_checkpoints(job_dir):
-                _stop(_refuse(job_dir))
+        try:
+            sweep_dir = _directory(config, "hydra.sweep.dir")
+            for job_dir in sorted(sweep_dir.glob("*")):
+                if job_dir.is_dir() and holds_checkpoints(job_dir):
+                    raise _refuse_checkpoints(job_dir)
+        except Exception as e:
+            _stop_on(e)

@@ -12,6 +12,7 @@ from typing import Any
 
 from project.errors import UserError
 from project.runs import checkpoints
+from project.runs.dirs import holds_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,20 @@ def newest_checkpoint(run_dir: Path) -> str | None:
     return None
 
 
+def check_output_dir(output_dir: Path, restarted: bool) -> None:
+    """Where this run writes must not hold another run's checkpoints (`paths.output_dir=<an earlier run>`
+    would overwrite its last.ckpt). The guard checks hydra.run.dir before Hydra writes; this checks where the
+    trainer writes. Ranks that Lightning or a sweep job started share a directory already checked."""
+    from hydra.core.hydra_config import HydraConfig
+
+    joining = HydraConfig.initialized() and HydraConfig.get().output_subdir is None
+    if not restarted and not joining and holds_checkpoints(output_dir):
+        raise UserError(
+            f"paths.output_dir={output_dir} already holds checkpoints of an earlier run: to continue it pass "
+            f"ckpt_path={output_dir / 'checkpoints' / 'last.ckpt'}; leave paths.output_dir to Hydra for a new run"
+        )
+
+
 def resume_point(run_dir: Path, restarted: bool, ckpt_path: str | None) -> str | None:
     if restarted:
         own = newest_checkpoint(run_dir)
@@ -46,7 +61,9 @@ def check_same_model(path: str, model_cfg: Any) -> None:
     from omegaconf import OmegaConf
 
     p = checkpoints.check_readable(path)
-    config = checkpoints.run_config(p, checkpoints.load(p, mmap=True))
+    ckpt = checkpoints.load(p, mmap=True)
+    config = checkpoints.run_config(p, ckpt)
+    checkpoints.check_resumable(path)
     current = OmegaConf.to_container(model_cfg, resolve=True)
     assert isinstance(current, dict)
     for key in ("_target_", "net"):

@@ -10,6 +10,7 @@ from project.config.schema import check_config
 from project.errors import UserError
 from project.launch import sweeps
 from project.runs import checkpoints
+from project.runs.dirs import make_output_dirs
 from project.runs.results import read_metrics, write_metrics
 from project.tasks.numerics import set_matmul_precision
 from project.tasks.seeding import seed_run
@@ -42,6 +43,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     path = checkpoints.check_readable(cfg.ckpt_path)
     model, train_config = checkpoints.load_model(str(path))
     build.check(cfg)
+    make_output_dirs(cfg)
     datamodule = build.datamodule(_data_config(cfg, train_config))
     trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"), cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):

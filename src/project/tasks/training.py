@@ -8,7 +8,8 @@ from omegaconf import DictConfig, OmegaConf
 from project import build
 from project.config.schema import check_config
 from project.launch import environment, sweeps
-from project.runs import resume
+from project.runs import checkpoints, resume
+from project.runs.dirs import make_output_dirs
 from project.runs.results import write_metrics
 from project.tasks.numerics import set_matmul_precision
 from project.tasks.seeding import seed_run
@@ -20,9 +21,12 @@ def train(cfg: DictConfig) -> float | None:
     """Returns the value of `cfg.optimized_metric` (for sweepers), or None when it was not logged."""
     check_config(cfg)
     build.check(cfg)
+    output_dir = Path(cfg.paths.output_dir)
+    resume.check_output_dir(output_dir, environment.restarted())
+    make_output_dirs(cfg)
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
-    ckpt_path = resume.resume_point(Path(cfg.paths.output_dir), environment.restarted(), cfg.ckpt_path)
+    ckpt_path = resume.resume_point(output_dir, environment.restarted(), cfg.ckpt_path)
     if ckpt_path:
         resume.check_same_model(ckpt_path, cfg.model)
         if cfg.train:
@@ -30,6 +34,8 @@ def train(cfg: DictConfig) -> float | None:
 
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
+    if ckpt_path:
+        checkpoints.check_weights_fit(ckpt_path, model)
     # The plain run config is the module's hyperparameters: every checkpoint carries what rebuilds the model
     # (project.runs.checkpoints.load_model), loadable with weights_only=True.
     model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
@@ -41,13 +47,13 @@ def train(cfg: DictConfig) -> float | None:
     metrics: dict[str, float] = {}
     if cfg.train:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-        metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "fit_metrics.json"))
+        metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json"))
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if cfg.train and trainer.checkpoint_callback else ""
         if cfg.train and not best:
             log.warning("No checkpoint was saved; testing the weights as they are after training.")
         trainer.test(model, datamodule=datamodule, ckpt_path=best or (None if cfg.train else ckpt_path))
-        metrics.update(write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json"))
+        metrics.update(write_metrics(trainer, output_dir / "test_metrics.json"))
         if best and trainer.is_global_zero:
             log.info("Tested %s", best)
     return sweeps.objective(metrics, cfg.optimized_metric)
