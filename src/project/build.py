@@ -145,7 +145,8 @@ def _check_factories(node: Any, where: str) -> None:
             if trial is not None:
                 try:
                     built = trial(hydra.utils.instantiate(node))
-                    if isinstance(built, torch.optim.lr_scheduler.LRScheduler):
+                    plateau = isinstance(built, torch.optim.lr_scheduler.ReduceLROnPlateau)
+                    if isinstance(built, torch.optim.lr_scheduler.LRScheduler) and not plateau:
                         optimizer.step()  # no gradients: changes nothing, but comes first as torch expects
                         built.step()  # T_max=0 divides by zero only here
                 except Exception as e:

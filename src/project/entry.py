@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ def _with_profile(argv: list[str]) -> list[str]:
     profile = os.environ.get(PROFILE)
     if not profile or any(arg.startswith("profile=") for arg in argv[1:]):
         return argv
-    return [*argv, f"profile={profile}"]
+    # beside the other overrides: argparse takes Hydra's overrides as one run of positional arguments
+    first = next((i for i, arg in enumerate(argv[1:], 1) if "=" in arg and not arg.startswith("-")), len(argv))
+    return [*argv[:first], f"profile={profile}", *argv[first:]]
 
 
 def cli(hydra_main: Callable[[], Any]) -> None:
@@ -68,6 +71,8 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
+    # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     sweeps.remember_entry_script()
     try:
         hydra_main()
