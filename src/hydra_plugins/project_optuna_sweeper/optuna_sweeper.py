@@ -1,0 +1,119 @@
+"""A Hydra 1.3 sweeper on Optuna 4/5: ask trials in batches, let any Hydra launcher run them, tell the results.
+
+hydra-optuna-sweeper 1.3.0 pins optuna<3, whose sqlite storage fails under SQLAlchemy 2, and counts n_trials
+per invocation, stops at the first failed trial and leaves killed trials RUNNING for good. Here:
+- n_trials counts the whole study: running the same command again after an interruption continues it;
+- trials left RUNNING by a killed sweep are marked FAIL + interrupted (not counted) and run again first;
+- a failed trial is FAIL with its one-line error, and the sweep goes on (outcome.py);
+- jobs find their trial through hydra.job.env_set (job.py), to report per-epoch values for pruning.
+One sweep per study at a time.
+"""
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from . import outcome, space, study
+from .config import STORAGE_ENV, STUDY_ENV, TRIAL_ID_ENV, TRIAL_NUMBER_ENV
+from .errors import SweeperConfigError
+
+log = logging.getLogger(__name__)
+
+# The study of the running sweep, for jobs run in this process when there is no storage (basic launcher).
+ACTIVE_STUDY: Any = None
+
+
+class ProjectOptunaSweeper(Sweeper):
+    """See config.ProjectOptunaSweeperConf for the keys."""
+
+    def __init__(
+        self,
+        direction: str,
+        storage: Optional[str],
+        study_name: Optional[str],
+        n_trials: int,
+        n_jobs: int,
+        sampler: Any,
+        pruner: Any,
+        max_failures: Optional[int],
+        params: Optional[DictConfig],
+    ) -> None:
+        if direction not in ("maximize", "minimize"):
+            raise SweeperConfigError(f"hydra.sweeper.direction={direction}: use maximize or minimize")
+        for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs)):
+            if not isinstance(value, int) or value < 1:
+                raise SweeperConfigError(f"hydra.sweeper.{key}={value}: must be an integer of at least 1")
+        self.direction, self.storage, self.study_name = direction, storage, study_name
+        self.n_trials, self.n_jobs, self.max_failures = n_trials, n_jobs, max_failures
+        self.sampler_cfg, self.pruner_cfg = sampler, pruner
+        self.params: dict[str, Any] = dict(params or {})
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config  # validate_batch_is_legal reads these two
+        self._context, self._config = hydra_context, config
+        self._launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def _name(self, search: dict[str, Any], fixed: list[str]) -> str:
+        """The configured study name, or one derived from the search (named after the hparams_search option)."""
+        if self.study_name:
+            return self.study_name
+        base = OmegaConf.select(self._config, "hydra.runtime.choices.hparams_search") or self._config.hydra.job.name
+        return space.study_name(str(base).replace("/", "_"), search, fixed, self.direction)
+
+    def _job_overrides(self, trial: Any, search: dict[str, Any], fixed: list[str], name: str) -> list[str]:
+        chosen = [f"{key}={space.suggest(trial, key, dist)}" for key, dist in search.items()]
+        env = {TRIAL_ID_ENV: trial._trial_id, TRIAL_NUMBER_ENV: trial.number, STUDY_ENV: name}
+        if self.storage:
+            env[STORAGE_ENV] = self.storage
+        return chosen + fixed + [f"++hydra.job.env_set.{k}={space.quoted(v)}" for k, v in env.items()]
+
+    def sweep(self, arguments: list[str]) -> None:
+        global ACTIVE_STUDY
+        parser = OverridesParser.create(config_loader=self._context.config_loader)
+        search, fixed = space.split(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
+        name = self._name(search, fixed)
+
+        sweep_dir = Path(self._config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self._config, sweep_dir / "multirun.yaml")
+
+        the_study = ACTIVE_STUDY = study.open_study(
+            name, self.storage, self.direction, self.sampler_cfg, self.pruner_cfg
+        )
+        study.retry_interrupted(the_study)
+        log.info(
+            f"Study {name} ({self.storage or 'in memory'}), direction {self.direction}: "
+            f"{study.finished(the_study)} of {self.n_trials} trials done"
+        )
+        failures = 0
+        while (to_go := self.n_trials - study.finished(the_study)) > 0:
+            if self.max_failures is not None and failures >= self.max_failures:
+                log.error(f"{failures} trials failed in this run (max_failures={self.max_failures}): stopping")
+                break
+            trials = [the_study.ask() for _ in range(min(self.n_jobs, to_go))]
+            try:
+                batch = [self._job_overrides(trial, search, fixed, name) for trial in trials]
+                self.validate_batch_is_legal(batch)
+                returns = self._launcher.launch(batch, initial_job_idx=trials[0].number)
+            except BaseException:  # a bad override, Ctrl-C: these trials did not run, or not to their end
+                for trial in trials:
+                    study.abandon(the_study, trial._trial_id, trial.params)
+                raise
+            for trial, ret in zip(trials, returns):
+                job_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir) if ret.hydra_cfg is not None else None
+                if job_dir is not None:
+                    trial.set_user_attr("output_dir", str(job_dir))
+                failures += outcome.record(the_study, trial, ret, job_dir) == "FAIL"
+            if study.stopped(the_study):
+                log.info("The sampler has tried every point of the search space: done")
+                break
+        study.save_best(the_study, sweep_dir / "optimization_results.yaml")

@@ -1,0 +1,117 @@
+"""Opening a study that may already hold trials of earlier runs of the same sweep, and what counts as done."""
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from .config import INTERRUPTED_ATTR, PRUNER_ATTR
+from .errors import SweeperConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _make_sqlite_dir(storage: str) -> None:
+    """sqlite creates the file but not its directory (logs/ in a fresh clone)."""
+    if storage.startswith("sqlite:///"):
+        path = Path(storage.removeprefix("sqlite:///"))
+        if str(path) not in ("", ":memory:"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def open_study(
+    name: str, storage: Optional[str], direction: str, sampler_cfg: Optional[DictConfig], pruner_cfg: Any
+) -> Any:
+    """The study `name`, created or loaded. Its pruner config is stored with it, so a job in another process
+    builds the same pruner; a resumed study's sampler is reseeded (seed + trials so far), or a fixed seed would
+    draw the same startup points again."""
+    import optuna
+
+    if storage:
+        _make_sqlite_dir(storage)
+    pruner = instantiate(pruner_cfg) if pruner_cfg else optuna.pruners.NopPruner()
+    study = optuna.create_study(
+        storage=storage,
+        study_name=name,
+        pruner=pruner,
+        direction=optuna.study.StudyDirection[direction.upper()],
+        load_if_exists=True,
+    )
+    found = study.direction.name.lower()
+    if found != direction:
+        raise SweeperConfigError(
+            f"study {name} in {storage} was created with direction {found}; "
+            f"use hydra.sweeper.direction={found} or another hydra.sweeper.study_name"
+        )
+    study.set_user_attr(PRUNER_ATTR, OmegaConf.to_container(pruner_cfg, resolve=True) if pruner_cfg else None)
+    n_before = len(study.get_trials(deepcopy=False))
+    if sampler_cfg:
+        seed = sampler_cfg.get("seed")
+        study.sampler = instantiate(
+            OmegaConf.merge(sampler_cfg, {"seed": seed + n_before}) if seed is not None and n_before else sampler_cfg
+        )
+    return study
+
+
+def retry_interrupted(study: Any) -> None:
+    """Trials still RUNNING when a sweep starts belong to a sweep that was killed (one sweep per study at a time):
+    marked FAIL + interrupted (they do not count), and their parameters queued, so they run again first."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        log.warning(f"trial {trial.number} was interrupted (still RUNNING): marked FAIL, its parameters queued again")
+        abandon(study, trial._trial_id, trial.params)
+
+
+def abandon(study: Any, trial_id: int, params: dict[str, Any]) -> None:
+    """A trial that never finished: FAIL + interrupted, and its parameters queued to run again."""
+    import optuna
+
+    trial = optuna.trial.Trial(study, trial_id)
+    trial.set_user_attr(INTERRUPTED_ATTR, True)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    study.enqueue_trial(params, user_attrs={"retry_of": trial.number})
+
+
+def finished(study: Any) -> int:
+    """Trials that count towards n_trials: COMPLETE, PRUNED and FAIL, except interrupted ones."""
+    from optuna.trial import TrialState
+
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=states) if not t.user_attrs.get(INTERRUPTED_ATTR))
+
+
+def save_best(study: Any, path: Path) -> None:
+    """optimization_results.yaml in the sweep dir: the study's best trial so far, over all runs."""
+    from optuna.trial import TrialState
+
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return
+    best = study.best_trial
+    log.info(f"Best trial {best.number}: value {best.value}, params {best.params}")
+    results = {
+        "study_name": study.study_name,
+        "best_trial": best.number,
+        "best_value": best.value,
+        "best_params": best.params,
+        "output_dir": best.user_attrs.get("output_dir"),
+    }
+    OmegaConf.save(OmegaConf.create(results), path)
+
+
+def tell(study: Any, trial: Any, value: Optional[float] = None, state: Any = None) -> None:
+    """study.tell, letting samplers that end a study (GridSampler, BruteForceSampler: study.stop() once every
+    point was tried) say so: Optuna allows stop() only inside study.optimize, so mark us as its loop (private API)
+    and keep the flag for the sweep loop (stopped())."""
+    study._thread_local.in_optimize_loop = True
+    try:
+        study.tell(trial, value, state=state)
+    finally:
+        study._thread_local.in_optimize_loop = False
+
+
+def stopped(study: Any) -> bool:
+    """True when the sampler has ended the study (every point of a grid tried)."""
+    return bool(getattr(study, "_stop_flag", False))

@@ -1,0 +1,1 @@
+"""Callbacks that hook into runs: Lightning's (pruning an Optuna trial) and Hydra's (device slots of sweep jobs)."""

@@ -1,0 +1,255 @@
+"""One table and one figure per sweep: every job's overrides, status, metrics, epochs and wall time.
+
+Written into the sweep dir when a multirun ends (SweepSummary, a Hydra callback) and by
+`python -m project.runs.summary <sweep dir>` for an existing one: summary.csv, summary.md (sorted by the
+optimized metric, best first) and summary.png (the metric against each swept parameter). It reads only what
+each job left in its directory, so it works for any sweeper and launcher, and a failed or killed job is a
+row, never a crash of the summary.
+"""
+
+import csv
+import io
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from project.launch.sweeps import ERROR_FILE
+from project.runs.results import read_metrics
+
+PRUNED_FILE = "pruned.json"  # written by project.callbacks.pruning when Optuna stopped the job
+COLUMNS = ["job", "status", "metric", "test", "epochs", "wall_s", "overrides", "error"]
+
+
+@dataclass
+class Job:
+    """One row: what a job directory says about its job."""
+
+    name: str
+    overrides: dict[str, str]
+    status: str  # ok | failed | pruned | unfinished (killed, or still running)
+    metric: float | None = None
+    test: float | None = None
+    epochs: int | None = None
+    wall_s: float | None = None
+    error: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _overrides(job_dir: Path) -> dict[str, str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    lines = yaml.safe_load(path.read_text()) if path.is_file() else []
+    return dict(line.lstrip("+~").split("=", 1) if "=" in line else (line, "") for line in lines or [])
+
+
+def _epochs(job_dir: Path) -> int | None:
+    """Epochs trained: last.ckpt is rewritten after every epoch and holds the epoch it was written in."""
+    last = job_dir / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        return None
+    try:
+        import torch
+
+        return int(torch.load(last, map_location="cpu", weights_only=True, mmap=True)["epoch"]) + 1
+    except Exception:  # a torn or foreign file: the row says "?" rather than the summary failing
+        return None
+
+
+def _wall_s(job_dir: Path) -> float | None:
+    """From the job's saved config (written as it starts) to its newest file."""
+    start = job_dir / ".hydra" / "config.yaml"
+    if not start.is_file():
+        return None
+    newest = max(p.stat().st_mtime for p in job_dir.rglob("*") if p.is_file())
+    return round(newest - start.stat().st_mtime, 1)
+
+
+def test_metric_for(metric: str) -> str:
+    """The test counterpart of the optimized metric: val/acc_best -> test/acc."""
+    return "test/" + metric.split("/")[-1].removesuffix("_best")
+
+
+def read_job(job_dir: Path, metric: str) -> Job:
+    metrics = read_metrics(job_dir)
+    job = Job(job_dir.name, _overrides(job_dir), "unfinished", epochs=_epochs(job_dir), wall_s=_wall_s(job_dir))
+    job.metric, job.test = metrics.get(metric), metrics.get(test_metric_for(metric))
+    if (job_dir / ERROR_FILE).is_file():
+        lines = (job_dir / ERROR_FILE).read_text().splitlines()
+        job.status, job.error = "failed", lines[0] if lines else "(empty error.txt)"
+    elif (job_dir / PRUNED_FILE).is_file():
+        job.status = "pruned"
+    elif metrics:
+        job.status = "ok"
+    return job
+
+
+def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
+    """(optimized metric, higher is better) from the sweep's config."""
+    path = sweep_dir / "multirun.yaml"
+    cfg = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
+    metric = str(OmegaConf.select(cfg, "optimized_metric", default=None) or "val/acc_best")
+    direction = OmegaConf.select(cfg, "hydra.sweeper.direction", default=None, throw_on_resolution_failure=False)
+    if direction in ("maximize", "minimize"):
+        return metric, direction == "maximize"
+    return metric, not any(word in metric for word in ("loss", "error", "mse", "mae"))
+
+
+def read_sweep(sweep_dir: Path) -> tuple[list[Job], str]:
+    """Every job of the sweep, best first; jobs without the metric (failed, unfinished) last."""
+    metric, higher_better = _sweep_settings(sweep_dir)
+    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
+    jobs = [read_job(p, metric) for p in sorted(dirs, key=lambda p: (len(p.name), p.name))]
+    sign = -1 if higher_better else 1
+    jobs.sort(key=lambda j: (j.metric is None, sign * j.metric if j.metric is not None else 0.0))
+    return jobs, metric
+
+
+def swept_keys(jobs: list[Job]) -> list[str]:
+    """Overrides whose value differs between jobs: the parameters of the sweep."""
+    keys = dict.fromkeys(k for job in jobs for k in job.overrides)
+    return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _rows(jobs: list[Job]) -> list[list[str]]:
+    return [
+        [
+            job.name,
+            job.status,
+            _fmt(job.metric),
+            _fmt(job.test),
+            _fmt(job.epochs),
+            _fmt(job.wall_s),
+            " ".join(f"{k}={v}" for k, v in job.overrides.items()),
+            job.error,
+        ]
+        for job in jobs
+    ]
+
+
+def to_csv(jobs: list[Job], metric: str) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([metric if c == "metric" else test_metric_for(metric) if c == "test" else c for c in COLUMNS])
+    writer.writerows(_rows(jobs))
+    return out.getvalue()
+
+
+def to_markdown(jobs: list[Job], metric: str, sweep_dir: Path) -> str:
+    header = [metric if c == "metric" else test_metric_for(metric) if c == "test" else c for c in COLUMNS]
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+    counts = {s: sum(j.status == s for j in jobs) for s in ("ok", "pruned", "failed", "unfinished")}
+    lines = [
+        f"# Sweep {sweep_dir}",
+        "",
+        f"{len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f"; sorted by {metric}.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cell(c) for c in row) + " |" for row in _rows(jobs)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _as_number(value: str) -> float | None:
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def plot(jobs: list[Job], metric: str, path: Path) -> None:
+    """One panel per swept parameter: the metric of every job that has one against that parameter's value."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    keys = swept_keys(jobs) or ["job"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        values = [job.name if key == "job" else job.overrides.get(key, "") for job in jobs]
+        numbers = [_as_number(v) for v in values]
+        numeric = all(n is not None for n in numbers)
+        labels = sorted(set(values), key=lambda v: (_as_number(v) is None, _as_number(v) or 0.0, v))
+        for status, marker in (("ok", "o"), ("pruned", "x")):
+            points = [
+                (numbers[i] if numeric else labels.index(values[i]), job.metric)
+                for i, job in enumerate(jobs)
+                if job.status == status and job.metric is not None
+            ]
+            if points:
+                ax.scatter(*zip(*points), marker=marker, label=status)
+        positive = [n for n in numbers if n is not None and n > 0]
+        if numeric and len(positive) == len(numbers) and max(positive) / min(positive) >= 20:
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_xlabel(key)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    failed = sum(job.metric is None for job in jobs)
+    title = f"{metric} by swept parameter" + (f" ({failed} jobs without it: failed or unfinished)" if failed else "")
+    fig.suptitle(title, fontsize=10)
+    if any(job.status == "pruned" and job.metric is not None for job in jobs):
+        axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_summary(sweep_dir: Path) -> list[Job]:
+    """summary.csv, summary.md and summary.png in `sweep_dir`; returns the rows."""
+    jobs, metric = read_sweep(sweep_dir)
+    (sweep_dir / "summary.csv").write_text(to_csv(jobs, metric))
+    (sweep_dir / "summary.md").write_text(to_markdown(jobs, metric, sweep_dir))
+    if jobs:
+        plot(jobs, metric, sweep_dir / "summary.png")
+    return jobs
+
+
+class SweepSummary(Callback):
+    """Writes the summary when a multirun ends. Registered after SweepReport in conf/hydra/default.yaml:
+    on_multirun_end callbacks run in reverse order, so the summary exists before SweepReport exits non-zero."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
+        if not sweep_dir.is_dir():
+            return
+        try:
+            write_summary(sweep_dir)
+        except Exception as e:  # the summary is a report: it must not hide the sweep's own result
+            print(f"error: sweep summary of {sweep_dir} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return
+        print(f"Sweep summary: {sweep_dir / 'summary.md'}")
+
+
+def main(argv: list[str]) -> int:
+    """python -m project.runs.summary <sweep dir>: (re)write the summary of an existing sweep."""
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("error: usage: python -m project.runs.summary <sweep dir> (logs/train/multiruns/<time>)", file=sys.stderr)
+        return 2
+    sweep_dir = Path(argv[0])
+    if not any((p / ".hydra").is_dir() for p in sweep_dir.iterdir()):
+        print(f"error: {sweep_dir}: no sweep jobs in it (directories with .hydra/)", file=sys.stderr)
+        return 2
+    write_summary(sweep_dir)
+    print((sweep_dir / "summary.md").read_text(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

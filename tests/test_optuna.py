@@ -1,0 +1,115 @@
+"""The Optuna search (hparams_search=digits_optuna, src/hydra_plugins/project_optuna_sweeper) through the real CLI."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import REPO, cli_env
+
+pytestmark = pytest.mark.slow
+
+SEARCH = ["-m", "hparams_search=digits_optuna"]
+TINY = {"PROJECT_PROFILE": "tiny"}
+
+
+def trials(cwd: Path) -> list[optuna.trial.FrozenTrial]:
+    storage = f"sqlite:///{cwd}/logs/optuna.db"
+    (name,) = optuna.get_all_study_names(storage)
+    return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+
+def sweep_dirs(cwd: Path) -> list[Path]:
+    return sorted((cwd / "logs" / "train" / "multiruns").glob("*"))
+
+
+def test_the_profile_shrinks_the_search_and_a_bad_sweeper_key_is_one_line(cli):
+    search = ["hparams_search=digits_optuna", "profile=tiny"]
+    cfg = cli("train.py", *search, "--cfg", "hydra", "--package", "hydra.sweeper")
+    assert "n_trials: 3" in cfg.stdout and "direction: maximize" in cfg.stdout
+    bad = cli("train.py", *SEARCH, "hydra.sweeper.direction=up", check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: hydra.sweeper.direction=up: use maximize or minimize"
+
+
+def test_a_killed_search_resumes_without_repeating_finished_trials(cli, tmp_path):
+    command = [sys.executable, str(REPO / "train.py"), *SEARCH, "hydra.sweeper.n_trials=4"]
+    first = subprocess.Popen(
+        command, cwd=tmp_path, env=cli_env(**TINY), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("logs/train/multiruns/*/1/.hydra")):  # trial 0 is done, trial 1 has started
+        assert first.poll() is None and time.time() < deadline, first.stderr.read().decode() if first.stderr else ""
+        time.sleep(0.2)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    killed = {t.number: t.state.name for t in trials(tmp_path)}
+    assert killed[0] == "COMPLETE" and killed[1] == "RUNNING"
+
+    cli("train.py", *SEARCH, "hydra.sweeper.n_trials=4", env=TINY)
+    after = trials(tmp_path)
+    counted = [t for t in after if not t.user_attrs.get("interrupted")]
+    assert len(counted) == 4 and all(t.state.name in ("COMPLETE", "PRUNED") for t in counted)
+    assert [t.number for t in after if t.user_attrs.get("interrupted")] == [1]  # the killed one, not counted
+    retry = next(t for t in after if t.user_attrs.get("retry_of") == 1)
+    assert retry.params == after[1].params  # it ran again first, with its parameters
+    assert [t.number for t in counted].count(0) == 1  # trial 0 did not run again
+    first_dir, second_dir = sweep_dirs(tmp_path)
+    assert sorted(p.name for p in second_dir.iterdir() if p.is_dir()) == [str(t.number) for t in counted[1:]]
+    assert "val/acc_best" in (second_dir / "summary.md").read_text()
+
+    again = cli("train.py", *SEARCH, "hydra.sweeper.n_trials=4", env=TINY)
+    assert "4 of 4 trials done" in again.stdout + again.stderr and len(trials(tmp_path)) == len(after)
+
+
+def test_failed_trials_are_recorded_and_the_search_goes_on_in_parallel_workers(cli, tmp_path):
+    proc = cli(
+        "train.py",
+        *SEARCH,
+        "hydra/launcher=parallel",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "~hydra.sweeper.sampler.n_startup_trials",
+        "~hydra.sweeper.sampler.constant_liar",
+        "model.optimizer.lr=choice(-1.0,0.001)",  # -1: the job fails; a plain value fixes a searched key
+        "data.batch_size=64",
+        "model.net.hidden=32",
+        env=TINY,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    by_lr = {t.params["model.optimizer.lr"]: t for t in trials(tmp_path)}
+    assert by_lr[-1.0].state.name == "FAIL" and by_lr[0.001].state.name == "COMPLETE"
+    assert by_lr[-1.0].user_attrs["error"] == "model.optimizer: ValueError: Invalid learning rate: -1.0"
+    (root,) = sweep_dirs(tmp_path)
+    failed = root / str(by_lr[-1.0].number)
+    assert (failed / "error.txt").read_text().startswith("model.optimizer: ValueError: Invalid learning rate")
+    lines = proc.stderr.strip().splitlines()
+    assert f"error: sweep job {failed.name} (" in proc.stderr and "Traceback" not in proc.stderr
+    assert lines[-1] == f"error: 1 of 2 sweep jobs failed; see {root}/<job>/error.txt"
+    summary = (root / "summary.csv").read_text().splitlines()
+    assert summary[1].startswith(f"{by_lr[0.001].number},ok,") and summary[2].startswith(f"{failed.name},failed,")
+    assert summary[2].endswith("Invalid learning rate: -1.0")
+
+
+def test_a_pruned_trial_stops_early_without_failing_the_sweep(cli, tmp_path):
+    proc = cli(
+        "train.py",
+        *SEARCH,
+        "hydra.sweeper.n_trials=1",
+        "~hydra.sweeper.pruner.n_startup_trials",
+        "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",
+        "+hydra.sweeper.pruner.lower=1.01",  # no accuracy reaches it: pruned at the first report after warm-up
+        "hydra.sweeper.pruner.n_warmup_steps=0",
+        env=TINY,
+    )
+    (trial,) = trials(tmp_path)
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [0]
+    (root,) = sweep_dirs(tmp_path)
+    assert (root / "0" / "pruned.json").is_file() and (root / "0" / "test_metrics.json").is_file()
+    assert "error" not in proc.stderr
+    assert (root / "summary.csv").read_text().splitlines()[1].split(",")[1:5:3] == ["pruned", "1"]  # 1 epoch of 2

@@ -1,0 +1,52 @@
+"""The sweep summary (src/project/runs/summary.py): written when a sweep ends, and by its own command."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cli_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli, tmp_path):
+    proc = cli(
+        "train.py", "-m", "model=mlp", "model.optimizer.lr=0.01,-1,0.001", env={"PROJECT_PROFILE": "tiny"}, check=False
+    )
+    assert proc.returncode == 2
+    (root,) = (tmp_path / "logs" / "train" / "multiruns").glob("*")
+    rows = list(csv.DictReader((root / "summary.csv").open()))
+    assert [r["job"] for r in rows[2:]] == ["1"] and rows[2]["status"] == "failed"  # no metric: last
+    assert rows[2]["error"] == "model.optimizer: ValueError: Invalid learning rate: -1"
+    ok = rows[:2]
+    assert all(r["status"] == "ok" and r["epochs"] == "2" and float(r["wall_s"]) > 0 for r in ok)
+    assert float(ok[0]["val/acc_best"]) >= float(ok[1]["val/acc_best"]) and ok[0]["test/acc"]
+    assert {r["overrides"] for r in rows} == {
+        f"profile=tiny model=mlp model.optimizer.lr={lr}" for lr in (0.01, -1, 0.001)
+    }
+    assert (root / "summary.png").stat().st_size > 10_000
+    assert "| 1 | failed |" in (root / "summary.md").read_text()
+
+    # the command rewrites it from the directory alone, even with a job that left nothing but its config
+    (root / "1" / "error.txt").unlink()
+    (root / "0" / "fit_metrics.json").unlink()
+    (root / "0" / "test_metrics.json").unlink()
+    (root / "summary.csv").unlink()
+    again = subprocess.run(
+        [sys.executable, "-m", "project.runs.summary", str(root)], capture_output=True, text=True, env=cli_env()
+    )
+    assert again.returncode == 0, again.stderr
+    statuses = {r["job"]: r["status"] for r in csv.DictReader((root / "summary.csv").open())}
+    assert statuses == {"0": "unfinished", "1": "unfinished", "2": "ok"}
+    assert "3 jobs: 1 ok, 2 unfinished" in again.stdout
+
+
+def test_the_command_refuses_a_directory_that_is_no_sweep(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "project.runs.summary", str(tmp_path)], capture_output=True, text=True, env=cli_env()
+    )
+    assert (
+        proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no sweep jobs in it (directories with .hydra/)\n"
+    )
