@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-fast lint bench-pipeline train tensorboard devices clean
+.PHONY: install test test-fast lint bench-pipeline train tensorboard tensorboard-shots devices clean
 
 install: $(BIN)/python  ## create .venv and install the project with its dev tools
 	$(BIN)/pip install --upgrade pip
@@ -31,6 +31,9 @@ train:  ## train the default model on the default data
 
 tensorboard:  ## inspect every run under logs/
 	$(BIN)/tensorboard --logdir logs
+
+tensorboard-shots:  ## screenshots of the newest run's scalars, HParams and images pages (needs Chromium)
+	$(BIN)/python -m project.loggers.screenshots logs
 
 devices:  ## what this machine offers and what the default trainer would pick
 	$(BIN)/python -m project.launch.devices

@@ -1,10 +1,12 @@
 """TensorBoard as a person opens it: the real server, asked through its HTTP API about runs the test made."""
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -16,17 +18,19 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
-    """`python train.py model=mlp` in a fresh directory, at the test profile's size."""
+    """`python train.py model=mlp` and a sweep `-m model=mlp seed=1,2` in a fresh directory, at the test
+    profile's size."""
     work = tmp_path_factory.mktemp("work")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "model=mlp"],
-        cwd=work,
-        env=cli_env(PROJECT_PROFILE="tiny"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    for args in (["model=mlp"], ["-m", "model=mlp", "seed=1,2"]):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *args],
+            cwd=work,
+            env=cli_env(PROJECT_PROFILE="tiny"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return work / "logs"
 
 
@@ -68,24 +72,43 @@ def post(url: str, body: dict) -> dict:
     return json.loads(urllib.request.urlopen(request, timeout=30).read())
 
 
-def test_the_server_shows_the_runs_scalars(server, logs):
+def single_run(logs: Path) -> tuple[Path, str]:
     (run,) = run_dirs(logs)
-    name = f"train/runs/{run.name}/tensorboard"
-    assert get(f"{server}/data/runs") == [name]
+    return run, f"train/runs/{run.name}/tensorboard"
+
+
+def test_the_server_shows_the_runs_by_name_with_their_scalars(server, logs):
+    run, name = single_run(logs)
+    (sweep,) = (logs / "train" / "multiruns").iterdir()
+    jobs = [f"train/multiruns/{sweep.name}/{n}/tensorboard/model=mlp,seed={n + 1}" for n in (0, 1)]
+    assert sorted(get(f"{server}/data/runs")) == sorted([name, *jobs])  # a sweep job's name says what it changed
     tags = set(get(f"{server}/data/plugin/scalars/tags")[name])
     assert {"train/loss_step", "train/acc", "val/acc", "val/acc_best", "test/acc", "test/loss", "lr-Adam"} <= tags
     assert "hp_metric" not in tags
 
 
+def test_images_show_the_samples_and_the_confusion_matrix_and_the_graph_is_there(server, logs):
+    _, name = single_run(logs)
+    assert {"val/samples", "val/confusion_matrix"} <= set(get(f"{server}/data/plugin/images/tags")[name])
+    run = urllib.parse.quote(name)
+    for tag in ("val/samples", "val/confusion_matrix"):
+        (*_, last) = get(f"{server}/data/plugin/images/images?run={run}&tag={urllib.parse.quote(tag)}")
+        png = urllib.request.urlopen(f"{server}/data/plugin/images/individualImage?{last['query']}", timeout=30).read()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    assert get(f"{server}/data/plugin/graphs/info")[name]["run_graph"] is True
+
+
 def test_hparams_shows_what_people_vary_with_the_real_final_metrics(server, logs):
-    (run,) = run_dirs(logs)
+    run, _ = single_run(logs)
     experiment = post(f"{server}/data/plugin/hparams/experiment", {"experimentName": ""})
     names = {h["name"] for h in experiment["hparamInfos"]}
     assert {"model", "data", "trainer", "model.optimizer.lr", "data.batch_size", "seed"} <= names
     assert not {n for n in names if n.startswith(("paths.", "callbacks.", "hydra"))}
     statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]
     request = {"experimentName": "", "allowedStatuses": statuses, "colParams": [], "startIndex": 0, "sliceSize": 10}
-    (group,) = post(f"{server}/data/plugin/hparams/session_groups", request)["sessionGroups"]
+    groups = post(f"{server}/data/plugin/hparams/session_groups", request)["sessionGroups"]
+    assert sorted(g["hparams"].get("seed") for g in groups) == [1, 2, 12345]  # the sweep's jobs beside the run
+    (group,) = [g for g in groups if g["name"] == f"train/runs/{run.name}/tensorboard"]
     assert group["hparams"]["model"] == "mlp"
     shown = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
     final = {
@@ -94,3 +117,27 @@ def test_hparams_shows_what_people_vary_with_the_real_final_metrics(server, logs
     }
     for metric in ("val/acc_best", "test/acc", "test/loss"):
         assert shown[metric] == pytest.approx(final[metric])  # the run's value, never a -1 placeholder
+
+
+def test_screenshots_need_chromium_and_say_so(logs, tmp_path):
+    env = cli_env(PATH=str(tmp_path))  # no chromium on this PATH
+    proc = subprocess.run(
+        [sys.executable, "-m", "project.loggers.screenshots", str(logs)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no Chromium found: install Debian's chromium")
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="needs Debian's chromium (make tensorboard-shots)")
+def test_screenshots_of_the_scalars_hparams_and_images_pages(logs):
+    run, _ = single_run(logs)
+    proc = subprocess.run(
+        [sys.executable, "-m", "project.loggers.screenshots", str(logs), str(run)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for page in ("scalars", "hparams", "images"):
+        png = (run / f"tensorboard_{page}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

@@ -44,6 +44,19 @@ def _run_choices() -> tuple[dict[str, str], list[str]]:
     return choices, [k for k in keys if "/" not in k and k not in GROUPS and k != "profile"]
 
 
+def _sweep_job_name() -> str:
+    """In a sweep, what this job changes (`model=mlp,seed=1`), so that TensorBoard's run list says which run is
+    which; a single run keeps its directory's name (its start time) alone."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("profile=", "hydra.", "++hydra."))]
+    name = ",".join(o.lstrip("+~").replace("/", "-") for o in overrides)
+    return name[:120] or f"job{HydraConfig.get().job.num}"
+
+
 class TensorBoardLogger(LightningTensorBoardLogger):
     """`hparams`: dotted keys of the run config shown in the HParams tab; `metrics`: the metrics beside them."""
 
@@ -51,12 +64,13 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self,
         save_dir: str,
         name: str = "",
-        version: str = "",
+        version: str | None = None,
         hparams: Sequence[str] = (),
         metrics: Sequence[str] = (),
         log_graph: bool = False,
         **kwargs: Any,
     ) -> None:
+        version = _sweep_job_name() if version is None else version
         super().__init__(save_dir, name=name, version=version, log_graph=log_graph, default_hp_metric=False, **kwargs)
         self.hparam_keys, self.metric_names = list(hparams), list(metrics)
         self._summary_written = False

@@ -36,6 +36,7 @@ class ImageClassifier(L.LightningModule):
                 f"compile={compile!r} is not a torch.compile backend; use true, false or one of {backends}"
             )
         self.net = net
+        self.num_classes = num_classes
         self.compile_net = compile
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -77,12 +78,13 @@ class ImageClassifier(L.LightningModule):
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss, preds, y = self._shared_step(batch)
         self.val_loss(loss)
         self.val_acc(preds, y)
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
         self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return {"preds": preds, "target": y}  # for callbacks: the confusion matrix, the sample grid
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:  # a look at untrained (or just restored) weights: not a result
@@ -97,6 +99,12 @@ class ImageClassifier(L.LightningModule):
         self.test_acc(preds, y)
         self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def predict_step(self, batch: Tensor | tuple[Tensor, ...] | list[Tensor], batch_idx: int) -> Tensor:
+        """Class probabilities (N, num_classes) for a batch of images, alone or first of a tuple (images with
+        labels or indices), as float32 also under mixed precision: what predict.py writes per image."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).float().softmax(dim=1)
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())

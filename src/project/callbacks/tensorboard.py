@@ -1,0 +1,180 @@
+"""What a person opens TensorBoard for, beyond the scalars: which digits the model gets wrong, how the classes are
+confused, the net's graph, and (behind a switch) how weights and gradients are distributed.
+
+Each epoch costs one extra forward of one validation batch (the sample grid); the confusion matrix is counted
+from the predictions the validation step already made. Everything is written by rank 0 to the first
+TensorBoard logger; without one the callback does nothing.
+"""
+
+import logging
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def _writer(trainer: L.Trainer) -> Any:
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def _one_process(trainer: L.Trainer) -> bool:
+    """Graph tracing and full-parameter histograms need the whole model in this process, on its own."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    return isinstance(trainer.strategy, SingleDeviceStrategy)
+
+
+def sample_figure(images: Tensor, preds: Tensor, targets: Tensor, columns: int = 8) -> Any:
+    """A grid of digits titled `predicted/true`, misclassified first and in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = sorted(range(len(preds)), key=lambda i: (bool(preds[i] == targets[i]), i))
+    rows = (len(order) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(columns * 1.1, rows * 1.3), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, i in zip(axes.flat, order):
+        ax.imshow(images[i].float().mean(0).cpu().numpy(), cmap="gray")
+        wrong = bool(preds[i] != targets[i])
+        ax.set_title(f"{int(preds[i])}/{int(targets[i])}", color="red" if wrong else "black", fontsize=9)
+    fig.suptitle("predicted/true, misclassified first", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def confusion_figure(matrix: Tensor) -> Any:
+    """Counts of true class (rows) against predicted class (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = matrix.shape[0]
+    fig, ax = plt.subplots(figsize=(0.5 * n + 2, 0.5 * n + 1.5))
+    ax.imshow(matrix.cpu().numpy(), cmap="Blues")
+    for t in range(n):
+        for p in range(n):
+            count = int(matrix[t, p])
+            if count:
+                ax.text(p, t, str(count), ha="center", va="center", fontsize=7, color="black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    fig.tight_layout()
+    return fig
+
+
+class TensorBoardInsights(L.Callback):
+    """`images`: a grid of validation digits with predicted and true labels; `confusion_matrix`: the
+    validation epoch's; `graph`: the net's graph, once (one-process strategies); `histograms`: weights and
+    gradients (off by default: they grow the event files); each every `every_n_epochs`."""
+
+    def __init__(
+        self,
+        images: bool = True,
+        confusion_matrix: bool = True,
+        graph: bool = True,
+        histograms: bool = False,
+        every_n_epochs: int = 1,
+        samples: int = 32,
+    ) -> None:
+        if every_n_epochs < 1 or samples < 1:
+            raise ValueError(f"every_n_epochs and samples must be >= 1, got {every_n_epochs} and {samples}")
+        self.images, self.confusion_matrix, self.graph = images, confusion_matrix, graph
+        self.histograms, self.every_n_epochs, self.samples = histograms, every_n_epochs, samples
+        self._matrix: Tensor | None = None
+        self._grid: tuple[Tensor, Tensor, Tensor] | None = None
+        self._graph_done = False
+
+    def _due(self, trainer: L.Trainer) -> bool:
+        return not trainer.sanity_checking and trainer.current_epoch % self.every_n_epochs == 0
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._matrix, self._grid = None, None
+
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not self._due(trainer) or not isinstance(outputs, dict) or "preds" not in outputs:
+            return
+        preds, target = outputs["preds"].detach(), outputs["target"].detach()
+        if self.confusion_matrix:
+            classes = int(getattr(pl_module, "num_classes", 0)) or int(max(preds.max(), target.max())) + 1
+            counts = torch.bincount(target * classes + preds, minlength=classes * classes)
+            self._matrix = counts.view(classes, classes) + (self._matrix if self._matrix is not None else 0)
+        if self.images and self._grid is None and trainer.is_global_zero:
+            images = batch[0][: self.samples].detach()
+            self._grid = (images, preds[: self.samples], target[: self.samples])
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._due(trainer):
+            return
+        matrix = self._matrix
+        if self.confusion_matrix and trainer.world_size > 1:  # every rank takes part, with or without counts
+            classes = int(getattr(pl_module, "num_classes", 0))
+            if matrix is None and classes:
+                matrix = torch.zeros(classes, classes, dtype=torch.long, device=pl_module.device)
+            if matrix is not None:
+                matrix = trainer.strategy.reduce(matrix.float(), reduce_op="sum").long()  # all ranks' shards
+        writer = _writer(trainer)
+        if writer is None or not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        if self._grid is not None:
+            writer.add_figure("val/samples", sample_figure(*self._grid), step)
+        if matrix is not None:
+            writer.add_figure("val/confusion_matrix", confusion_figure(matrix), step)
+        if self.histograms and _one_process(trainer):
+            for name, param in pl_module.named_parameters():
+                writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.graph or self._graph_done or not trainer.is_global_zero:
+            return
+        self._graph_done = True
+        writer = _writer(trainer)
+        net = getattr(pl_module, "net", None)
+        if writer is None or net is None:
+            return
+        if not _one_process(trainer):
+            log.info("TensorBoard graph: drawn for one-device runs only (tracing needs the whole net in one process)")
+            return
+        was_training = net.training
+        net.eval()
+        try:
+            writer.add_graph(net, batch[0][:2])
+        except Exception as e:  # a net that cannot be traced still trains; say why it has no graph
+            log.warning(f"TensorBoard graph: {type(e).__name__}: {e}")
+        finally:
+            net.train(was_training)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not self.histograms or not trainer.is_global_zero or not _one_process(trainer):
+            return
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or not self._due(trainer):
+            return
+        writer = _writer(trainer)
+        if writer is None:
+            return
+        for name, param in pl_module.named_parameters():
+            if param.grad is not None:
+                writer.add_histogram(f"gradients/{name}", param.grad.detach().float().cpu(), trainer.global_step)
