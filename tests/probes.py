@@ -132,3 +132,44 @@ class DtypeProbe(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         pl_module.net.register_forward_hook(lambda module, args, out: DtypeProbe.seen.add(str(out.dtype)))
+
+
+class KillAt(L.Callback):
+    """$KILL_AT_STEP=<k> [$KILL_RANK=<r>, default 0]: that rank SIGKILLs itself as step k starts, as a
+    scheduler's kill -9 or a lost node would. $STEP_SLEEP=<s> slows every step (time to send signals)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if "PROBE_DIR" in os.environ:
+            (probe_dir() / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+        kill_at = os.environ.get("KILL_AT_STEP")
+        if kill_at is not None and trainer.global_step == int(kill_at):
+            if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillDuringSave(L.Callback):
+    """$KILL_ON_SAVE=<n>: during the n-th checkpoint save, SIGKILL this process as soon as the save's
+    temporary file or staging directory exists, that is, halfway through writing it."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saves += 1
+        if self.saves != int(os.environ.get("KILL_ON_SAVE", "0")) or trainer.global_rank != 0:
+            return
+        checkpoint["ballast"] = torch.zeros(50_000_000)  # 200 MB: a save long enough to be caught halfway
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+
+        def kill_when_writing() -> None:
+            while True:
+                if any(folder.glob(".*.partial-*")) or any(folder.glob(".*.staging")):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.001)
+
+        import threading
+
+        threading.Thread(target=kill_when_writing, daemon=True).start()

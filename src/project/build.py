@@ -218,8 +218,8 @@ def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any], launch: A
     _check_trainer_numbers(cfg)
 
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
-    callbacks = _callbacks_for(callbacks, loggers)
-    overrides = {**_fsdp_by_name(cfg), **_one_requeuing_party(cfg), **_checkpointing(cfg, callbacks)}
+    callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends()
+    overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks)}
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
     _check_precision(cfg, built)
@@ -259,16 +259,32 @@ def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
     return {"strategy": FSDPStrategy()}
 
 
-def _one_requeuing_party(cfg: DictConfig) -> dict[str, Any]:
-    """Under submitit, submitit requeues (its USR2 handler resubmits the job, which resumes from
-    <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off."""
+def _how_a_run_ends() -> list[Any]:
+    """On every run, whatever `callbacks=` says: they decide how a run stops and continues, not what it records.
+    A signal saves and exits 143 (not 0); a non-finite loss stops before the optimizer step; checkpoints carry
+    every rank's random state, so a resumed run draws what the unbroken one would have."""
+    from project.callbacks.divergence import StopOnDivergence
+    from project.callbacks.random_state import RandomState
+    from project.callbacks.signals import GracefulStop
+
+    return [GracefulStop(), StopOnDivergence(), RandomState()]
+
+
+def _plugins(cfg: DictConfig) -> dict[str, Any]:
+    """Checkpoints written atomically (project.runs.atomic_io). Under submitit, submitit requeues (its USR2
+    handler resubmits the job, which resumes from <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1
+    requeue is switched off."""
     from project.launch import environment
+    from project.runs.atomic_io import AtomicCheckpointIO
 
-    if not environment.under_submitit() or cfg.get("plugins"):
+    if cfg.get("plugins"):
         return {}
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    plugins: list[Any] = [AtomicCheckpointIO()]
+    if environment.under_submitit():
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    return {"plugins": [SLURMEnvironment(auto_requeue=False)]}
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return {"plugins": plugins}
 
 
 def _check_precision(cfg: DictConfig, built: Any) -> None:

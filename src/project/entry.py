@@ -107,6 +107,21 @@ def _config_error(error: BaseException) -> bool:
     return isinstance(error, UserError) or type(error).__name__ == "MisconfigurationException"
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def _lost_rank(error: BaseException) -> str | None:
+    """A collective that failed because another rank died: say so once, in one line, instead of a traceback."""
+    from project.launch import ranks
+
+    if not any(text in str(error) for text in _PEER_GONE):
+        return None
+    reason = " ".join(str(error).split())[:160]
+    line = ranks.dead_rank() or f"lost the connection to another rank ({reason}); see that rank's log"
+    ranks.report_once(line)
+    return line
+
+
 def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     """Call `task(cfg)`. A mistake leaves no run dir behind and becomes one `error: ...` line on stderr with exit
     code 2. In a sweep, any failure fails this job only: one line on stderr, the traceback in the job's
@@ -121,6 +136,9 @@ def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         if hc.mode == RunMode.MULTIRUN:
             record_failure(Path(hc.runtime.output_dir), _error_line(e))
             return None
+        lost = _lost_rank(e)
+        if lost is not None:
+            raise SystemExit(1) from None  # the one line about the dead rank is printed
         if not _config_error(e):
             raise  # a bug: its traceback is the useful report
         remove_if_unused(Path(hc.runtime.output_dir))

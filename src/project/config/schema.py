@@ -1,4 +1,5 @@
-"""Typed top level of train.yaml and eval.yaml: Hydra rejects unknown keys and wrong types at compose time.
+"""Typed top level of train.yaml, eval.yaml, predict.yaml and export.yaml: Hydra rejects unknown keys and
+wrong types at compose time.
 
 The groups (data, model, trainer, ...) are typed by their `_target_`; project.build checks their keys and
 values against the target's signature before anything is built. What a type cannot say (a seed's range,
@@ -16,6 +17,7 @@ from project.errors import UserError
 # What a missing mandatory key means to a user.
 _REQUIRED_HINTS = {
     "ckpt_path": "pass the checkpoint to use: ckpt_path=<run>/checkpoints/last.ckpt",
+    "input": "pass what to predict: input=<folder of images | image | IDX file>",
 }
 SEED_RANGE = (0, 2**32 - 1)  # what numpy, and so Lightning's seed_everything, accepts
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision
@@ -44,6 +46,7 @@ class TrainConfig:
     train: bool = True
     test: bool = True
     ckpt_path: Optional[str] = None
+    stretch_schedule: bool = False
     optimized_metric: Optional[str] = None
     data: Any = MISSING
     model: Any = MISSING
@@ -68,10 +71,41 @@ class EvalConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
+@dataclass
+class PredictConfig:
+    task_name: str = "predict"
+    seed: Optional[int] = None
+    ckpt_path: str = MISSING
+    input: str = MISSING  # a folder of images, one image, or an IDX file
+    resize: bool = True  # images of another size: resized to the model's (false: refused)
+    batch_size: int = 256
+    num_workers: int = 0
+    trainer: Any = MISSING
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    float32_matmul_precision: str = "high"
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+@dataclass
+class ExportConfig:
+    task_name: str = "export"
+    seed: Optional[int] = None
+    ckpt_path: str = MISSING
+    format: str = "onnx"  # onnx | torch_export
+    output: Optional[str] = None  # None: beside the checkpoint, <checkpoint name>.onnx or .pt2
+    check: bool = True  # compare the exported model's outputs with PyTorch's before finishing
+    trainer: Any = None  # not used: export runs no Trainer; here so that profiles (which size it) apply too
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    float32_matmul_precision: str = "high"
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="predict_schema", node=PredictConfig)
+    cs.store(name="export_schema", node=ExportConfig)
 
 
 def check_keys(cfg: DictConfig, where: str = "") -> None:

@@ -12,7 +12,9 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
+
+from project.data.resumable import ResumableLoader, ResumableSampler
 
 
 class TensorDataset(Dataset):
@@ -109,9 +111,10 @@ class TensorDataModule(L.LightningDataModule):
         # One seeded permutation per epoch, cut into shards: on one device or N, the global batches are the
         # same. (Lightning's own sampler for ddp would also always shuffle, ignoring shuffle=false.)
         seed = self._order_seed() if shuffle else 0
-        sampler: DistributedSampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, **self._shard())
+        sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, **self._shard())
         # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
+        loader = ResumableLoader if name == "train" else DataLoader  # only training continues mid-epoch
+        return loader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=self.shuffle)

@@ -42,7 +42,8 @@ class ImageClassifier(L.LightningModule):
         self.scheduler_factory = scheduler
         self.criterion = nn.CrossEntropyLoss()
         # One metric object per split: their states must not mix (val runs inside the train epoch).
-        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        # A non-finite loss stops the run (project.callbacks.divergence); the metric need not warn about it too.
+        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="ignore") for _ in range(3))
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

@@ -1,22 +1,30 @@
-"""A run's final numbers as JSON files in its directory, so scripts and sweeps need not parse TensorBoard."""
+"""A run's final numbers as JSON files in its directory, so scripts and sweeps need not parse TensorBoard.
+
+Valid JSON always: a metric that is not finite (a diverged run) is written as null, and `status` says how the
+stage ended (ok, diverged, interrupted).
+"""
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 
-def write_metrics(trainer: Any, path: Path) -> dict[str, float]:
+def write_metrics(trainer: Any, path: Path, status: str = "ok") -> dict[str, float]:
     """The trainer's final scalar metrics; written by rank 0, returned on every rank."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if trainer.is_global_zero:
-        path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        shown: dict[str, Any] = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        shown["status"] = status
+        path.write_text(json.dumps(shown, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return metrics
 
 
 def read_metrics(run_dir: Path) -> dict[str, float]:
-    """What a finished run wrote: its fit metrics, then its test metrics."""
+    """What a finished run wrote: its fit metrics, then its test metrics (numbers only)."""
     metrics: dict[str, float] = {}
     for name in ("fit_metrics.json", "test_metrics.json"):
         if (run_dir / name).is_file():
-            metrics.update(json.loads((run_dir / name).read_text()))
+            found = json.loads((run_dir / name).read_text())
+            metrics.update({k: float(v) for k, v in found.items() if isinstance(v, (int, float))})
     return metrics

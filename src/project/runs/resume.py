@@ -23,6 +23,7 @@ def newest_checkpoint(run_dir: Path) -> str | None:
         *run_dir.glob("hpc_ckpt_*.ckpt"),
         *(run_dir / "checkpoints").glob("last.ckpt"),
         *(run_dir / "checkpoints").glob("epoch_*.ckpt"),
+        *(run_dir / "checkpoints").glob(".*.ckpt.old"),  # a sharded checkpoint killed halfway through its swap
     ]
     for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
@@ -54,6 +55,30 @@ def resume_point(run_dir: Path, restarted: bool, ckpt_path: str | None) -> str |
                 log.info("Restarted job: continuing from its own %s, not from ckpt_path=%s", own, ckpt_path)
             return own
     return ckpt_path
+
+
+def schedule_length(path: str, model_cfg: Any, stretch: bool) -> int | None:
+    """The new length to stretch a restored schedule to, or None to restore it as saved. A cosine schedule
+    keeps the T_max it was started with: resuming with more epochs would train them past its end, so without
+    `stretch_schedule=true` a different length stops the run with the choices."""
+    from omegaconf import OmegaConf
+
+    p = checkpoints.check_readable(path)
+    stored = [s.get("T_max") for s in checkpoints.load(p, mmap=True).get("lr_schedulers") or [] if isinstance(s, dict)]
+    wanted = OmegaConf.select(model_cfg, "scheduler.T_max")
+    if not stored or stored[0] is None or wanted is None or stored[0] == wanted:
+        return None
+    if stretch:
+        log.info(
+            "Stretching the restored schedule from T_max=%s to T_max=%s (stretch_schedule=true)", stored[0], wanted
+        )
+        return int(wanted)
+    raise UserError(
+        f"ckpt_path={path} follows a schedule of T_max={stored[0]} epochs and this run asks for {wanted} "
+        f"(trainer.max_epochs): the restored schedule would end at epoch {stored[0]} and go up again after it. "
+        f"Keep trainer.max_epochs={stored[0]} to finish the planned run, add stretch_schedule=true to spread the "
+        "rest of the decay over the new length, or start a new run"
+    )
 
 
 def check_same_model(path: str, model_cfg: Any) -> None:

@@ -7,6 +7,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
+from project.launch.ranks import RankWatchingLauncher
 from project.strategies import rendezvous
 
 
@@ -28,6 +29,12 @@ class DDPStrategy(LightningDDPStrategy):
             )
             self._layer_sync = None
         super().setup(trainer)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # the script re-run for each rank: watch the ranks it starts
+            assert self.cluster_environment is not None
+            self._launcher = RankWatchingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_distributed(self) -> None:
         # Lightning's own, with our rendezvous in place of _init_dist_connection

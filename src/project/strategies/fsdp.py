@@ -11,13 +11,17 @@ in parallel and loadable at another world size; `save_distributed_checkpoint=fal
 ordinary file on rank 0 instead (needs the whole model in CPU memory there).
 """
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 
+from project.launch.ranks import RankWatchingLauncher
+from project.runs.atomic_io import fsync_dir
 from project.strategies import rendezvous
 from project.strategies.parallelize import fully_shard_blocks
 
@@ -46,6 +50,32 @@ class FSDPStrategy(ModelParallelStrategy):
         # for FSDP every process is a data-parallel shard, or two ranks would get the same batches.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A sharded checkpoint is written whole into a staging directory and then swapped in by rename, so a
+        kill during the save leaves the previous checkpoint as it was (Lightning rewrites the shards in place
+        and writes meta.pt last: a kill in between leaves new shards beside the old meta.pt)."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # one file: AtomicCheckpointIO
+        path = Path(self.broadcast(str(filepath)))
+        staging, old = path.with_name(f".{path.name}.staging"), path.with_name(f".{path.name}.old")
+        if self.global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.barrier("checkpoint staging")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("checkpoint written")
+        if self.global_rank == 0:
+            fsync_dir(staging)
+            if path.exists():
+                path.rename(old)
+            staging.rename(path)  # the only moment without a checkpoint at `path`; resume then takes `old`
+            fsync_dir(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier("checkpoint swapped")
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = RankWatchingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def parallelize(self, net: Any) -> None:
         """Called by the LightningModule's configure_model: shard `net` over this strategy's mesh."""

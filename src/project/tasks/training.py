@@ -6,6 +6,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from project import build
+from project.callbacks.divergence import DivergedError
+from project.callbacks.schedule import StretchSchedule
 from project.config.schema import check_config
 from project.launch import environment, sweeps
 from project.runs import checkpoints, resume
@@ -27,8 +29,12 @@ def train(cfg: DictConfig) -> float | None:
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
     ckpt_path = resume.resume_point(output_dir, environment.restarted(), cfg.ckpt_path)
+    run_callbacks = []
     if ckpt_path:
         resume.check_same_model(ckpt_path, cfg.model)
+        stretched = resume.schedule_length(ckpt_path, cfg.model, cfg.stretch_schedule) if cfg.train else None
+        if stretched is not None:
+            run_callbacks.append(StretchSchedule(stretched))
         if cfg.train:
             log.info("Resuming from %s", ckpt_path)
 
@@ -39,14 +45,18 @@ def train(cfg: DictConfig) -> float | None:
     # The plain run config is the module's hyperparameters: every checkpoint carries what rebuilds the model
     # (project.runs.checkpoints.load_model), loadable with weights_only=True.
     model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
-    callbacks, loggers = build.named(cfg.callbacks, "callbacks"), build.named(cfg.logger, "logger")
+    callbacks, loggers = build.named(cfg.callbacks, "callbacks") + run_callbacks, build.named(cfg.logger, "logger")
     trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         return sweeps.run_job_in_fresh_process(cfg.optimized_metric)
 
     metrics: dict[str, float] = {}
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        except DivergedError:
+            write_metrics(trainer, output_dir / "fit_metrics.json", status="diverged")
+            raise
         metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json"))
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if cfg.train and trainer.checkpoint_callback else ""

@@ -1,0 +1,80 @@
+"""Every rank's random-number state in the checkpoint, restored just before the first resumed batch.
+
+Lightning's checkpoints hold no random state, so a resumed run draws other dropout masks (and, without a
+seeded order, another shuffle) than the run it continues. Saved per rank (ranks draw different masks); put
+back in `on_train_start`, the last hook before the first batch: anything earlier in the restore could still
+consume random numbers after it.
+"""
+
+import random
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+
+def _capture(device: torch.device) -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        # numpy's own state holds an ndarray, which torch.load(weights_only=True) refuses: store it as a tensor
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class RandomState(L.Callback):
+    """Saves torch, numpy, Python and CUDA random states of every rank; restores each rank's own on resume."""
+
+    def __init__(self) -> None:
+        self._loaded: list[dict[str, Any]] | None = None
+        self._trainer: L.Trainer | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        mine = _capture(device)
+        if trainer is None or trainer.world_size == 1:
+            return {"ranks": [mine]}
+        gathered: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, mine)  # every rank saves: dump_checkpoint runs on all
+        return {"ranks": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict.get("ranks")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        states, self._loaded = self._loaded, None
+        if states is None:
+            return
+        if len(states) != trainer.world_size:
+            rank_zero_warn(
+                f"The checkpoint holds the random state of {len(states)} processes, this run has "
+                f"{trainer.world_size}: random draws continue from fresh states, not exactly as before."
+            )
+            return
+        _restore(states[trainer.global_rank], trainer.strategy.root_device)

@@ -1,0 +1,69 @@
+"""A training loader that a checkpoint saved mid-epoch continues exactly: same order, next batch.
+
+Lightning saves and restores the `state_dict` of the DataLoader it iterates (never of its sampler) and
+calls `load_state_dict` before the resumed epoch's `iter()`, so the position lives here: the epoch, the
+batches already yielded, and the order's seed (drawn afresh under seed=null, so it must travel with the
+checkpoint). The order is a function of (seed, epoch) alone, and the loader's own generator keeps `iter()`
+from drawing on the global random state, so a resumed run consumes random numbers as the unbroken one did.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler (Lightning keeps it under ddp as it is) that can skip a prefix of one epoch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip = 0  # samples of this rank's shard to leave out, once
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+
+class ResumableLoader(DataLoader):
+    """Counts the batches it yields; `state_dict` / `load_state_dict` are what Lightning checkpoints."""
+
+    sampler: ResumableSampler
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["generator"] = torch.Generator()
+        super().__init__(*args, **kwargs)
+        self._epoch: int | None = None
+        self._yielded = 0
+        self._resume: dict[str, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's iterator class
+        # A generator: its body runs at the first next(), after Lightning's set_epoch for this epoch.
+        sampler, skip = self.sampler, 0
+        if not isinstance(sampler, ResumableSampler):  # Lightning swapped it (overfit_batches): plain iteration
+            yield from super().__iter__()
+            return
+        if self._resume is not None and self._resume["epoch"] == sampler.epoch:
+            skip = self._resume["batches"]
+            sampler.skip = skip * int(self.batch_size or 1)
+        self._resume = None
+        self._epoch, self._yielded = sampler.epoch, skip
+        assert self.generator is not None
+        self.generator.manual_seed(sampler.seed + sampler.epoch)
+        for batch in super().__iter__():
+            self._yielded += 1  # counted when handed over: right even when workers prefetch
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": -1 if self._epoch is None else self._epoch,
+            "batches": self._yielded,
+            "seed": self.sampler.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.seed = int(state.get("seed", self.sampler.seed))

@@ -1,0 +1,85 @@
+"""When a rank dies, the run ends within seconds with one line that names it and its log.
+
+Lightning's launcher re-runs the script for ranks 1..N-1 and checks them every 5 s; when one dies, the
+others hit gloo's "Connection reset by peer" at their next collective and end with a long traceback that
+names only a peer address. Here rank 0 watches its children every half second; the first to notice a death
+(this watcher, or rank 0's own failed collective) prints one `error:` line naming the dead rank and its log
+(`train_ddp_process_<n>.log` in the run dir), stops the other ranks, and exits 1.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+_reported = threading.Event()
+_dead: list[str] = []  # the line, once a child has died
+
+
+def _describe(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _run_dir() -> Path | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def report_once(line: str) -> bool:
+    """Print `error: <line>` unless a death was already reported; True if this call printed it."""
+    if _reported.is_set():
+        return False
+    _reported.set()
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    return True
+
+
+def dead_rank(wait_s: float = 1.0) -> str | None:
+    """The line about a dead child, waiting briefly for the watcher: rank 0's collective may fail first."""
+    deadline = time.time() + wait_s
+    while not _dead and time.time() < deadline:
+        time.sleep(0.05)
+    return _dead[0] if _dead else None
+
+
+class _Watcher(threading.Thread):
+    def __init__(self, procs: list[Any]) -> None:
+        super().__init__(daemon=True, name="rank-watcher")
+        self.procs = procs
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            codes = [proc.poll() for proc in self.procs]
+            if all(code == 0 for code in codes):
+                return  # every child finished well
+            for rank, (proc, code) in enumerate(zip(self.procs, codes), start=1):
+                if code:
+                    run_dir = _run_dir()
+                    log = f"{run_dir}/train_ddp_process_{rank}.log" if run_dir else f"train_ddp_process_{rank}.log"
+                    _dead.append(f"rank {rank} (pid {proc.pid}) died ({_describe(code)}); its log: {log}")
+                    report_once(_dead[0])
+                    for other in self.procs:
+                        if other.poll() is None:
+                            other.send_signal(signal.SIGKILL)
+                    os._exit(1)  # rank 0 may sit in a collective with the dead rank: nothing else ends it
+
+
+class RankWatchingLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher for ddp and fsdp, with our watcher in place of Lightning's 5-second one."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
+
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _Watcher(self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)

@@ -1,0 +1,207 @@
+"""Killed, signalled and diverging runs: a kill -9 at any step resumes bit for bit, signals save and exit
+non-zero, a non-finite loss stops at once with a clean checkpoint, a dead rank is named, a kill during a save
+leaves the previous checkpoint whole."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, cli_env, run_dirs
+
+pytestmark = pytest.mark.slow
+
+# 8 training batches per epoch, 3 epochs; dropout on (random state matters), shuffling on (order matters)
+RUN = [
+    "seed=1",
+    "trainer.deterministic=true",
+    "model=mlp",
+    "data.batch_size=32",
+    "trainer.max_epochs=3",
+    "+trainer.limit_train_batches=8",
+    "+trainer.limit_val_batches=2",
+    "test=false",
+    "logger=none",
+    "callbacks.last_checkpoint.every_n_steps=3",
+    "+callbacks.probe._target_=probes.KillAt",
+]
+
+
+def train(cwd: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        env=cli_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys()
+    worst = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+    assert worst == 0.0, f"largest weight difference after resume: {worst}"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
+    work = tmp_path_factory.mktemp("unbroken")
+    train(work, *RUN)
+    (run,) = run_dirs(work / "logs")
+    return weights(run)
+
+
+@pytest.mark.parametrize("kill_at", [5, 8, 13], ids=["mid-epoch-0", "epoch-boundary", "mid-epoch-1"])
+def test_a_run_killed_at_any_step_resumes_bit_for_bit(tmp_path, unbroken, kill_at):
+    killed = train(tmp_path / "killed", *RUN, env={"KILL_AT_STEP": str(kill_at)}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    saved_at = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    assert saved_at == max(s for s in (3, 6, 8, 9, 12) if s <= kill_at)  # step saves, and the epoch-end one
+    train(tmp_path / "resumed", *RUN, f"ckpt_path={last}")
+    (resumed,) = run_dirs(tmp_path / "resumed" / "logs")
+    assert_same_weights(weights(resumed), unbroken)
+
+
+def test_ddp_killed_mid_epoch_resumes_bit_for_bit(tmp_path):
+    ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
+    train(tmp_path / "unbroken", *ddp)
+    (whole,) = run_dirs(tmp_path / "unbroken" / "logs")
+    killed = train(tmp_path / "killed", *ddp, env={"KILL_AT_STEP": "5"}, check=False)
+    assert killed.returncode != 0
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    train(tmp_path / "resumed", *ddp, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}")
+    (resumed,) = run_dirs(tmp_path / "resumed" / "logs")
+    assert_same_weights(weights(resumed), weights(whole))
+
+
+def start(cwd: Path, *args: str, env: dict) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        env=cli_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(path: Path, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and path.read_text():
+            return path.read_text()
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never appeared")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_a_signal_saves_writes_the_metrics_and_exits_non_zero(tmp_path, sig, code):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    proc = start(tmp_path / "work", *RUN, env={"PROBE_DIR": str(probe), "STEP_SLEEP": "0.3"})
+    os.kill(int(wait_for(probe / "pid_0")), sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr[-2000:]
+    (line,) = [line for line in stderr.splitlines() if line.strip()]
+    assert line.startswith(f"stopped by {sig.name} at epoch 0, step ") and "continue with ckpt_path=" in line
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
+    ckpt = line.split("ckpt_path=")[1]
+    resumed = train(tmp_path / "resumed", *RUN, f"ckpt_path={ckpt}")
+    assert resumed.returncode == 0
+
+
+def test_sigterm_to_one_ddp_rank_stops_every_rank_without_a_hang(tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
+    proc = start(tmp_path / "work", *ddp, env={"PROBE_DIR": str(probe), "STEP_SLEEP": "0.3"})
+    os.kill(int(wait_for(probe / "pid_1")), signal.SIGTERM)  # not the rank Lightning's handler broadcasts from
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
+    ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
+    started = time.time()
+    proc = train(tmp_path, *ddp, env={"KILL_AT_STEP": "4", "KILL_RANK": "1"}, check=False)
+    assert proc.returncode == 1 and time.time() - started < 90
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    (run,) = run_dirs(tmp_path / "logs")
+    assert len(lines) == 1 and "rank 1 (pid " in lines[0] and "killed by SIGKILL" in lines[0], proc.stderr[-2000:]
+    assert lines[0].endswith(f"its log: {run}/train_ddp_process_1.log") and "Traceback" not in proc.stderr
+
+
+def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tmp_path):
+    proc = train(tmp_path, *RUN, "model.optimizer.lr=1e12", "callbacks.last_checkpoint.every_n_steps=1", check=False)
+    assert proc.returncode == 2
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: diverged at epoch 0, step ") and "trainer.gradient_clip_val" in line
+    (run,) = run_dirs(tmp_path / "logs")
+    fit = json.loads((run / "fit_metrics.json").read_text())  # strict JSON: no NaN literal
+    assert fit["status"] == "diverged"
+    for path in (run / "checkpoints").glob("*.ckpt"):
+        state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+        assert all(bool(torch.isfinite(t).all()) for k, t in state.items() if k.startswith("net."))
+
+
+def test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    proc = train(tmp_path, "-m", *RUN, "model.optimizer.lr=1e12,0.002", check=False)
+    assert proc.returncode == 2
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    assert (sweep / "0" / "error.txt").read_text().startswith("diverged at epoch 0")
+    assert json.loads((sweep / "1" / "fit_metrics.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.parametrize("trainer", ["single", "fsdp"])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, trainer):
+    extra = ["trainer=fsdp", "trainer.accelerator=cpu", "data.batch_size=16"] if trainer == "fsdp" else []
+    args = [*RUN, *extra, "+callbacks.save_probe._target_=probes.KillDuringSave"]
+    killed = train(tmp_path / "killed", *args, env={"KILL_ON_SAVE": "2"}, check=False)
+    assert killed.returncode != 0
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    # the first save (step 3) is whole; the second was cut off while it was being written
+    resumed = train(tmp_path / "resumed", *args, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}")
+    assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
+
+
+def test_resuming_with_more_epochs_is_refused_or_stretches_the_schedule(tmp_path):
+    import csv
+
+    base = [a for a in RUN if not a.startswith(("trainer.max_epochs", "logger="))] + ["logger=csv"]
+    train(tmp_path / "first", *base, "trainer.max_epochs=2")
+    (run,) = run_dirs(tmp_path / "first" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    refused = train(tmp_path / "refused", *base, "trainer.max_epochs=4", f"ckpt_path={last}", check=False)
+    assert refused.returncode == 2
+    (line,) = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert "follows a schedule of T_max=2 epochs and this run asks for 4" in line and "stretch_schedule=true" in line
+    train(tmp_path / "stretched", *base, "trainer.max_epochs=4", f"ckpt_path={last}", "stretch_schedule=true")
+    (stretched,) = run_dirs(tmp_path / "stretched" / "logs")
+    with open(stretched / "csv" / "metrics.csv") as f:
+        # logged at each epoch's start, by step: 8 steps per epoch
+        lrs = {int(row["step"]) // 8: float(row["lr-Adam"]) for row in csv.DictReader(f) if row.get("lr-Adam")}
+    # the cosine of 4 epochs from 0.002, at epochs 2 and 3 (the old 2-epoch schedule had reached 0)
+    for epoch in (2, 3):
+        assert lrs[epoch] == pytest.approx(0.002 * (1 + math.cos(math.pi * epoch / 4)) / 2, rel=1e-6)
