@@ -69,3 +69,23 @@ def test_installed_versions_are_within_the_bounds_of_pyproject(package):
 
     (bound,) = [Requirement(r) for r in requires("project") if Requirement(r).name == package]
     assert version(package) in bound.specifier, f"{package} {version(package)} outside {bound.specifier}"
+
+
+def test_internals_used_by_the_pipeline_strategy():
+    import torch
+    from lightning.fabric.utilities import optimizer
+    from lightning.pytorch.plugins.precision import Precision
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torchmetrics import MeanMetric
+
+    # strategies/pipeline.py: optimizer state to the device; clipping replaced through the plugin's method
+    assert callable(optimizer._optimizer_to_device) and callable(optimizer._optimizers_to_device)
+    assert list(inspect.signature(Precision.clip_grad_by_norm).parameters) == ["self", "optimizer", "clip_val"]
+    # pipeline.py builds stages over a process group and steps schedules with pre-split micro-batches
+    assert {"group", "device"} <= set(inspect.signature(PipelineStage).parameters)
+    assert {"arg_mbs", "target_mbs", "losses"} <= set(inspect.signature(ScheduleGPipe.step).parameters)
+    assert callable(torch._utils._flatten_dense_tensors) and callable(torch._utils._unflatten_dense_tensors)
+    # pipeline_stages.py: metric states copied between stages, their sync switched off or set to a group
+    metric = MeanMetric()
+    for name in ("_to_sync", "sync_on_compute", "process_group", "_update_count", "_forward_cache", "_computed"):
+        assert name in vars(metric), name

@@ -163,6 +163,8 @@ def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as e:
         cause = e.__cause__ if e.__cause__ is not None else e
+        if isinstance(cause, UserError):  # already one line that names the fix (a strategy's own checks)
+            raise cause from e
         message = " ".join(str(cause).split())
         raise UserError(f"{where}: {type(cause).__name__}: {message}") from e
 

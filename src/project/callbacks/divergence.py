@@ -63,10 +63,13 @@ def _finite(tensors: list[Any]) -> bool:
 
 
 def _any_rank(trainer: L.Trainer, flag: bool) -> bool:
-    if trainer.world_size == 1:
+    """True on every process when it is true on any: over all of them (a pipeline's stages too), not only over
+    the strategy's data-parallel group."""
+    if not torch.distributed.is_initialized():
         return flag
     tensor = torch.tensor([float(flag)], device=trainer.strategy.root_device)
-    return bool(trainer.strategy.reduce(tensor, reduce_op="max").item())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return bool(tensor.item())
 
 
 def _loss_scaled(trainer: L.Trainer) -> bool:

@@ -48,9 +48,10 @@ class GracefulStop(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         flag = self.signum
-        if trainer.world_size > 1:  # a signal to any rank stops every rank at this same step
+        if torch.distributed.is_initialized():  # a signal to any process stops all of them at this same step
             tensor = torch.tensor([flag], device=trainer.strategy.root_device)
-            flag = int(trainer.strategy.reduce(tensor, reduce_op="max").item())
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+            flag = int(tensor.item())
         if not flag:
             return
         path = _last_checkpoint(trainer)

@@ -2,6 +2,7 @@
 
 - dp: DataParallel, removed from Lightning 2.0, rebuilt here (dp.py).
 - pipe: model parallelism in one process, a stage of the net per device, micro-batches pipelined (pipe.py).
+- pipeline: pipeline parallelism, one process per stage, on torch.distributed.pipelining (pipeline.py).
 - ddp, ddp_spawn: Lightning's, with sync_batchnorm that is skipped (not fatal) on CPU (ddp.py).
 - fsdp: FSDP2 through Lightning's ModelParallelStrategy, on CPU and GPU (fsdp.py); built by
   project.build from the name, because Lightning reserves the string "fsdp" for its GPU-only FSDP1.
@@ -12,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from project.strategies.ddp import DDPStrategy
 from project.strategies.dp import DataParallelStrategy
 from project.strategies.pipe import PipeStrategy
+from project.strategies.pipeline import PipelineStrategy
 
 
 def register() -> None:
@@ -22,6 +24,9 @@ def register() -> None:
     )
     StrategyRegistry.register(
         "pipe", PipeStrategy, description="Pipelined model parallelism: one process, a stage per device", override=True
+    )
+    StrategyRegistry.register(
+        "pipeline", PipelineStrategy, description="Pipeline parallelism: one process per stage", override=True
     )
 
 

@@ -47,7 +47,7 @@ def _timed(found: Blocks, sample: torch.Tensor, repeats: int = 3) -> list[float]
         for _ in range(repeats):
             inp = x.detach().requires_grad_(x.is_floating_point())
             start = time.perf_counter()
-            out = module(inp)
+            out = module(inp.clone() if inp.requires_grad else inp)  # a leaf: ReLU(inplace=True) would refuse it
             out.float().sum().backward()
             best = min(best, time.perf_counter() - start)
         module.zero_grad(set_to_none=True)

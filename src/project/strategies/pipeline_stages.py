@@ -1,0 +1,371 @@
+"""The parts of `trainer=pipeline` (project.strategies.pipeline) that need no process group, testable in one
+process: what a stage holds and what the pipeline refuses; how a batch is cut into micro-batches and which
+schedule runs it; how the last stage runs the user's step and what it sends the other stages so that they log
+the same; and how the stages' parts of a checkpoint become the one ordinary file one device writes, and back.
+"""
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from project.errors import UserError
+from project.strategies.parallelize import Blocks
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# ---------------------------------------------------------------- stages
+
+
+def check_cut(module: nn.Module, net: nn.Module, cut: list[Blocks], pp_size: int, stages_per_rank: int) -> None:
+    """Refuse a cut that cannot train: parameters outside the net (only the last stage would update them), or a
+    process without parameters (its optimizer would have nothing to optimize)."""
+    in_net = {id(p) for p in net.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in in_net]
+    if outside:
+        raise UserError(
+            f"trainer=pipeline: parameters outside the net ({outside[:3]}) would be trained by the last stage "
+            "only; move them into the net"
+        )
+    for rank in range(pp_size):
+        blocks = [b for v in range(stages_per_rank) for b in cut[rank + v * pp_size]]
+        if not any(p.numel() for _, block in blocks for p in block.parameters()):
+            raise UserError(
+                f"trainer=pipeline: pipeline rank {rank} would hold no parameters ({[n for n, _ in blocks]}); "
+                "give it a block with weights: trainer.strategy.balance=[blocks per stage, ...]"
+            )
+
+
+class _Copy(nn.Module):
+    """A stage's input from another process is a leaf that requires grad: an in-place first block (ReLU with
+    inplace=True) may not overwrite it, so it gets a copy."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.clone()
+
+
+def stage_module(blocks: Blocks, first: bool) -> nn.Sequential:
+    """A stage's blocks as one module: the net's own blocks, no copy of their weights."""
+    modules = [block for _, block in blocks]
+    if not first and getattr(modules[0], "inplace", False):
+        modules.insert(0, _Copy())
+    return nn.Sequential(*modules)
+
+
+def refuse(module: Any, parallelized: bool) -> None:
+    """What the pipeline cannot run, said on every rank before any communication."""
+    if not parallelized:
+        raise UserError(
+            "trainer=pipeline: the LightningModule must hand its net to trainer.strategy.parallelize(net) in "
+            "configure_model (as project.models.classifier.ImageClassifier does)"
+        )
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()):
+        raise UserError(
+            "model.compile does not work with trainer=pipeline (each stage runs its own blocks, never the compiled "
+            "net): set model.compile=false"
+        )
+    if not module.automatic_optimization:
+        raise UserError(
+            "trainer=pipeline runs the backward inside its schedule: it needs automatic optimization "
+            "(self.automatic_optimization = True)"
+        )
+
+
+# ---------------------------------------------------------------- micro-batches and schedules
+
+
+def micro_batches(batch_size: int, wanted: int, schedule: str, pp_size: int) -> tuple[int, str]:
+    """(M', schedule) for a batch: M' is the largest divisor of the batch size that is at most `wanted`.
+
+    Equal micro-batches are what make the pipeline exact: torch scales gradients by 1/M', which turns M' mean
+    losses into the batch's mean loss only when every micro-batch has the same size; and a stage's receive
+    buffers have one shape. 1F1B needs M' >= the number of stages: below that, GPipe runs that batch (the same
+    arithmetic). Interleaved 1F1B needs M' to be a multiple of its rounds, max(1, M' // pp_size)."""
+    for m in range(min(wanted, batch_size), 0, -1):
+        if batch_size % m:
+            continue
+        if schedule == "interleaved_1f1b" and m % max(1, m // pp_size):
+            continue
+        if schedule == "1f1b" and m < pp_size:
+            return m, "gpipe"
+        return m, schedule
+    raise UserError(f"trainer=pipeline: a batch of {batch_size} samples cannot be cut into micro-batches")
+
+
+def net_input(batch: Any) -> Tensor:
+    """The tensor the net takes: the batch itself, or its first element ((x, y) pairs)."""
+    x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if not isinstance(x, Tensor) or x.dim() == 0 or len(x) == 0:
+        raise UserError(
+            "trainer=pipeline feeds the net batch[0] (or the batch, if it is a tensor), which must be a non-empty "
+            f"batched tensor; got {type(x).__name__}"
+        )
+    return x
+
+
+def narrow(obj: Any, start: int, size: int, total: int) -> Any:
+    """Samples [start, start + size) of a batch: every tensor whose first dimension is the batch's, inside
+    tuples, lists and dicts; anything else as it is."""
+    if isinstance(obj, Tensor):
+        return obj.narrow(0, start, size) if obj.dim() and len(obj) == total else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(obj)(*(narrow(o, start, size, total) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(narrow(o, start, size, total) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: narrow(v, start, size, total) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class Run:
+    """The stages and schedule for one shape of batch. A PipelineStage sizes its receive buffers by the first
+    micro-batch it sees, so each shape (full batches, an epoch's smaller last one, training, evaluation) gets
+    its own, built once. In training, `targets` are what the schedule hands the last stage's loss function:
+    index tensors, one per micro-batch, by which it knows which micro-batch it got."""
+
+    schedule: Any
+    micro_batches: int
+    batch_size: int
+    targets: list[Tensor] = field(default_factory=list)
+    args: tuple = ()  # the arguments of the training step being run: (batch, batch_idx, ...)
+    kwargs: dict = field(default_factory=dict)
+
+    def index(self, target: Tensor) -> int | None:
+        """Which micro-batch the loss function got, or None for torch's shape inference (it passes a copy)."""
+        return next((i for i, t in enumerate(self.targets) if t is target), None)
+
+    def micro_batch_args(self, index: int) -> tuple[tuple, dict]:
+        size = self.batch_size // self.micro_batches
+        return (narrow(self.args[0], index * size, size, self.batch_size), *self.args[1:]), self.kwargs
+
+
+def build_run(strategy: Any, batch_size: int, train: bool, loss_fn: Callable | None) -> Run:
+    """This rank's stages (over the blocks the strategy kept, no copies) and the schedule for this batch size."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    m, kind = micro_batches(batch_size, strategy.micro_batches, strategy.schedule, strategy.pp_size)
+    stages: list[Any] = [
+        PipelineStage(module, index, strategy.num_stages, strategy.root_device, group=strategy.pp_group)
+        for index, module in zip(strategy.stage_indices, strategy.stage_modules)
+    ]
+    if kind == "interleaved_1f1b":
+        schedule: Any = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    else:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], m, loss_fn=loss_fn)
+    rank_zero_info(
+        f"trainer=pipeline: {'training' if train else 'evaluation'} batches of {batch_size} run as {m} "
+        f"micro-batches of {batch_size // m} ({kind})"
+    )
+    targets = list(torch.arange(batch_size, device=strategy.root_device).tensor_split(m)) if train else []
+    return Run(schedule, m, batch_size, targets)
+
+
+# ---------------------------------------------------------------- the user's step on the last stage
+
+Record = tuple[str, Any, dict[str, Any]]  # the arguments of one self.log call
+Payload = dict[str, Any]  # what the last stage sends its pipeline after each step
+
+
+def call_user(module: Any, method: str, args: tuple, kwargs: dict, output: Any, records: list[Record]) -> Any:
+    """The LightningModule's step with `self(x)` answering `output` (this micro-batch's or the whole batch's),
+    and its self.log calls recorded instead of logged."""
+    module.__dict__["forward"] = lambda *a, **k: output
+    module.__dict__["log"] = lambda name, value, **kw: records.append((name, value, kw))
+    try:
+        return getattr(module, method)(*args, **kwargs)
+    finally:
+        del module.__dict__["forward"], module.__dict__["log"]
+
+
+def loss_of(result: Any) -> Tensor:
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not isinstance(loss, Tensor):
+        raise UserError(
+            "trainer=pipeline: training_step must return the loss (a tensor, or a dict with 'loss'); skipping a "
+            "batch by returning None is not possible once the other stages have run it"
+        )
+    return loss
+
+
+def metrics(module: nn.Module) -> dict[str, Metric]:
+    """The torchmetrics objects of a module, by module path (the same on every rank)."""
+    return {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else [v.detach().clone() for v in value]
+
+
+Snapshot = dict[str, tuple[dict[str, Any], int, Any, Any]]
+
+
+def snapshot(found: dict[str, Metric]) -> Snapshot:
+    """Copies of every metric's state: the per-micro-batch runs of training_step (which only compute the loss)
+    update metrics too, and must leave no trace."""
+    return {
+        path: ({k: _copy(v) for k, v in m.metric_state.items()}, m._update_count, m._forward_cache, m._computed)
+        for path, m in found.items()
+    }
+
+
+def restore(found: dict[str, Metric], saved: Snapshot) -> None:
+    for path, (state, count, forward_cache, computed) in saved.items():
+        metric = found[path]
+        for name, value in state.items():
+            object.__setattr__(metric, name, value)
+        metric._update_count, metric._forward_cache, metric._computed = count, forward_cache, computed
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors leave a rank on the CPU: a pickled CUDA tensor would arrive on the sender's device index."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_device(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def export_states(found: dict[str, Metric], paths: Iterable[str]) -> dict[str, tuple[dict[str, Any], int, Any]]:
+    return {p: (to_cpu(found[p].metric_state), found[p]._update_count, to_cpu(found[p]._forward_cache)) for p in paths}
+
+
+def import_states(
+    found: dict[str, Metric], states: dict[str, tuple[dict[str, Any], int, Any]], device: torch.device
+) -> None:
+    """Overwrite this rank's copies with the last stage's metrics, the ones the user's step updated."""
+    for path, (state, count, forward_cache) in states.items():
+        metric = found[path]
+        for name, value in state.items():
+            object.__setattr__(metric, name, to_device(value, device))
+        metric._update_count, metric._forward_cache, metric._computed = count, to_device(forward_cache, device), None
+
+
+def export_records(records: list[Record], found: dict[str, Metric]) -> list[tuple[str, str, Any, dict[str, Any]]]:
+    """self.log calls as data: a metric by its path (its state travels separately), a value as a CPU tensor."""
+    paths = {id(m): p for p, m in found.items()}
+    out: list[tuple[str, str, Any, dict[str, Any]]] = []
+    for name, value, kwargs in records:
+        if isinstance(value, Metric):
+            if id(value) not in paths:
+                raise UserError(f"self.log({name!r}, ...) got a metric that is not an attribute of the LightningModule")
+            out.append((name, "metric", paths[id(value)], kwargs))
+        else:
+            out.append((name, "value", torch.as_tensor(to_cpu(value)), kwargs))
+    return out
+
+
+def last_stage_step(
+    module: Any, found: dict[str, Metric], method: str, args: tuple, kwargs: dict, output: Any
+) -> tuple[Any, Payload]:
+    """The user's step on the whole batch's output: its result, and what the other stages need to log the same
+    (its self.log calls, the states of the metrics it touched, the loss, a prediction)."""
+    counts = {path: m._update_count for path, m in found.items()}
+    records: list[Record] = []
+    result = call_user(module, method, args, kwargs, output, records)
+    exported = export_records(records, found)
+    touched = {p for p, m in found.items() if m._update_count != counts[p]}
+    touched |= {value for _, kind, value, _ in exported if kind == "metric"}
+    payload: Payload = {"error": None, "records": exported, "states": export_states(found, sorted(touched))}
+    payload["loss"] = float(loss_of(result).detach()) if method == "training_step" else None
+    payload["result"] = to_cpu(result) if method == "predict_step" else None
+    return result, payload
+
+
+def replay(module: Any, payload: Payload, found: dict[str, Metric], device: torch.device, is_last: bool) -> None:
+    """Make the last stage's self.log calls on this rank too, with its metric states: callbacks (ModelCheckpoint,
+    EarlyStopping) read them on every rank, and loggers write on rank 0, which holds the first stage."""
+    if not is_last:
+        import_states(found, payload["states"], device)
+    for name, kind, value, kwargs in payload["records"]:
+        module.log(name, found[value] if kind == "metric" else value.to(device), **kwargs)
+
+
+# ---------------------------------------------------------------- checkpoints: one ordinary file
+
+Layout = list[list[str]]  # per param group, the names of its parameters in the group's order
+
+
+def layout(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Layout:
+    """Which parameter each index of `optimizer.state_dict()` stands for (indices run over the groups in order)."""
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError as e:
+        raise UserError(
+            "trainer=pipeline: the optimizer holds a parameter that is not the LightningModule's; configure_optimizers "
+            "must optimize self.parameters() (each stage holds only its own)"
+        ) from e
+
+
+def global_layout(parts: Sequence[Layout], order: Sequence[str]) -> Layout:
+    """The layout one device would have: each group's parameters from every stage, in the model's order."""
+    rank = {name: i for i, name in enumerate(order)}
+    counts = {len(p) for p in parts}
+    if len(counts) != 1:
+        raise UserError(f"trainer=pipeline: the stages' optimizers have different numbers of param groups: {counts}")
+    return [sorted(chain.from_iterable(p[g] for p in parts), key=rank.__getitem__) for g in range(len(parts[0]))]
+
+
+def merge_optimizer_states(parts: Sequence[tuple[Layout, dict]], order: Sequence[str]) -> dict:
+    """One optimizer state_dict, as one device would save it, from each stage's (layout, state_dict)."""
+    full = global_layout([lay for lay, _ in parts], order)
+    index = {name: i for i, name in enumerate(chain.from_iterable(full))}
+    state: dict[int, Any] = {}
+    for lay, sd in parts:
+        local = list(chain.from_iterable(lay))
+        state.update({index[local[i]]: value for i, value in sd["state"].items()})
+    first = parts[0][1]["param_groups"]
+    groups = [
+        {**{k: v for k, v in first[g].items() if k != "params"}, "params": [index[n] for n in full[g]]}
+        for g in range(len(full))
+    ]
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def split_optimizer_state(saved: dict, full: Layout, mine: Layout) -> dict:
+    """This stage's part of a one-device optimizer state_dict (from a pipeline checkpoint or from one device)."""
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(full) or any(len(g["params"]) != len(names) for g, names in zip(groups, full)):
+        raise UserError(
+            "the checkpoint's optimizer state does not fit this model's optimizer (other parameters or param groups)"
+        )
+    names = {i: name for g, group in enumerate(groups) for i, name in zip(group["params"], full[g])}
+    local = {name: i for i, name in enumerate(chain.from_iterable(mine))}
+    state = {local[names[i]]: value for i, value in saved["state"].items() if names[i] in local}
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [local[n] for n in mine[g]]}
+        for g, group in enumerate(groups)
+    ]
+    return {"state": state, "param_groups": param_groups}
+
+
+def merge_state_dicts(parts: Sequence[dict[str, Any]], order: Sequence[str]) -> dict[str, Any]:
+    """The stages' state_dicts as one, in the key order of the unsplit model. Keys outside the net (metric
+    states, buffers) are on every stage and equal; the first stage's copy is kept."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            merged.setdefault(key, value)
+    rank = {key: i for i, key in enumerate(order)}
+    return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))

@@ -1,0 +1,298 @@
+"""trainer=pipeline: one process per stage of the net (torch.distributed.pipelining), 2 gloo processes on CPU.
+
+Pipelining is a memory knob, not a change of the experiment: for one seed and one batch it takes the same steps
+as one device (losses, metrics and final weights within 1e-5 in fp32; here they come out bit-equal or 1e-8),
+writes the same ordinary checkpoint file, and resumes from it exactly. The slow tests run the real CLI; the
+others check the parts that need no processes.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, cli_env, run_dirs
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import nn
+from torchmetrics import MeanMetric
+
+from project import build
+from project.errors import UserError
+from project.models.classifier import ImageClassifier
+from project.models.mlp import MLP
+from project.strategies import pipeline_stages as st
+from project.strategies.pipeline import PipelineStrategy
+
+# 210 training digits: batches of 64, 64, 64 and 18 per epoch; accumulation 2, so 2 optimizer steps per epoch.
+# Clipping at 0.5 clips every step (the MLP's gradient norm starts near 2): the norm must span both stages.
+COMMON = [
+    "seed=0",
+    "model=mlp",
+    "model.net.dropout=0.0",
+    "model/optimizer=sgd",
+    "model/scheduler=none",  # a resumed run continues the same learning rates whatever max_epochs says
+    "trainer.accelerator=cpu",
+    "data.test_size=4290",
+    "trainer.gradient_clip_val=0.5",
+    "trainer.accumulate_grad_batches=2",
+    "callbacks=model_checkpoint",
+    "+callbacks.probe._target_=pipeline_probes.StepProbe",
+    "logger=csv",
+    "test=false",
+]
+# micro_batches=4 divides 64 (4 of 16) but not 18 (M' = 3 of 6); OTHER_SCHEDULES below run 1 and 2.
+PIPELINE = ["trainer=pipeline", "trainer.strategy.schedule=1f1b", "trainer.strategy.micro_batches=4"]
+
+
+def train(out: Path, name: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python train.py` from a fresh directory out/name, as in tests/conftest.py's cli fixture."""
+    cwd = out / name
+    cwd.mkdir(parents=True)
+    cmd = [sys.executable, str(REPO / "train.py"), *COMMON, *overrides]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=cli_env(PROBE_DIR=str(cwd)))
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def probe(out: Path, name: str, rank: int = 0) -> dict:
+    return json.loads((out / name / f"rank{rank}.json").read_text())
+
+
+def weights(out: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / name / "weights.pt", weights_only=True)
+
+
+def run_dir(out: Path, name: str) -> Path:
+    (run,) = run_dirs(out / name / "logs")
+    return run
+
+
+def assert_close(actual: object, expected: object, what: str) -> None:
+    torch.testing.assert_close(
+        torch.as_tensor(actual), torch.as_tensor(expected), atol=1e-5, rtol=0, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert_close(actual[key], value, f"{what} {key}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One device for 3 epochs; the pipeline for 2 epochs, then resumed from its last.ckpt for the third."""
+    out = tmp_path_factory.mktemp("pipeline")
+    train(out, "one_device", "trainer.max_epochs=3")
+    train(out, "pipeline", *PIPELINE, "trainer.max_epochs=2")
+    last = run_dir(out, "pipeline") / "checkpoints" / "last.ckpt"
+    train(out, "resumed", *PIPELINE, "trainer.max_epochs=3", f"ckpt_path={last}", "test=true")
+    return out
+
+
+@pytest.mark.slow
+def test_pipeline_takes_the_same_steps_as_one_device_and_resumes_exactly(runs: Path) -> None:
+    one, first, resumed = probe(runs, "one_device"), probe(runs, "pipeline"), probe(runs, "resumed")
+    assert len(one["losses"]) == 12 and one["global_step"] == resumed["global_step"] == 6
+    assert_close(first["losses"] + resumed["losses"], one["losses"], "losses per batch")
+    assert_same_weights(weights(runs, "resumed"), weights(runs, "one_device"), "final weights")
+    for key, value in one["metrics"].items():  # val/acc_best too: a metric state restored from the checkpoint
+        assert_close(resumed["metrics"][key], value, key)
+    for name in ("pipeline", "resumed"):  # the first stage's rank logs what the last stage computed
+        assert probe(runs, name, rank=1)["metrics"] == probe(runs, name)["metrics"]
+        assert probe(runs, name, rank=1)["losses"] == probe(runs, name)["losses"]
+
+
+@pytest.mark.slow
+def test_rank_zero_logs_and_checkpoints_like_one_device(runs: Path) -> None:
+    def rows(name: str) -> list[dict[str, str]]:
+        with open(run_dir(runs, name) / "csv" / "metrics.csv") as f:
+            return [r for r in csv.DictReader(f) if r["epoch"] == "2" and not r.get("test/acc")]
+
+    assert rows("one_device")  # the third epoch's train and validation rows
+    for got, want in zip(rows("resumed"), rows("one_device"), strict=True):
+        for key, value in want.items():
+            assert (got[key] == value == "") or abs(float(got[key]) - float(value)) < 1e-5, key
+
+    ours = torch.load(run_dir(runs, "pipeline") / "checkpoints" / "last.ckpt", weights_only=True)
+    theirs = torch.load(run_dir(runs, "one_device") / "checkpoints" / "last.ckpt", weights_only=True)
+    assert list(ours["state_dict"]) == list(theirs["state_dict"])  # one ordinary file, the same keys in order
+    (opt,), (ref,) = ours["optimizer_states"], theirs["optimizer_states"]
+    assert opt["param_groups"][0]["params"] == ref["param_groups"][0]["params"]
+    assert {i: s["momentum_buffer"].shape for i, s in opt["state"].items()} == {
+        i: s["momentum_buffer"].shape for i, s in ref["state"].items()
+    }
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_evaluates_on_one_device(runs: Path, cli, tmp_path: Path) -> None:
+    resumed = run_dir(runs, "resumed")  # it tested its best checkpoint through the pipeline
+    (best,) = (resumed / "checkpoints").glob("epoch_*.ckpt")
+    cli("eval.py", f"ckpt_path={best}", "trainer.accelerator=cpu", "logger=none")  # the default trainer: 1 device
+    (evaluated,) = run_dirs(tmp_path / "logs", task="eval")
+    ours = json.loads((evaluated / "test_metrics.json").read_text())
+    assert ours == json.loads((resumed / "test_metrics.json").read_text())
+
+
+OTHER_SCHEDULES = {
+    "gpipe": ["trainer.strategy.schedule=gpipe", "trainer.strategy.micro_batches=1"],
+    # 2 pipelines of 4 stages (2 per process) on 4 processes, each on half of every batch: 2 x 32 = 64 samples.
+    # Micro-batches: 32 -> 2 of 16, the last 9 -> 1 of 9. By parameters, a process would get no weights.
+    "interleaved_data_parallel": [
+        "trainer.strategy.schedule=interleaved_1f1b",
+        "trainer.strategy.balance=[2,1,2,1]",
+        "trainer.strategy.micro_batches=2",
+        "trainer.strategy.data_parallel=2",
+        "trainer.devices=4",
+        "launch.allow_oversubscribe=true",  # 4 processes on a 2-core CI machine
+        "data.batch_size=32",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OTHER_SCHEDULES)
+def test_other_schedules_take_the_same_steps(runs: Path, name: str) -> None:
+    train(runs, name, "trainer=pipeline", *OTHER_SCHEDULES[name], "trainer.max_epochs=2")
+    assert_close(probe(runs, name)["losses"], probe(runs, "pipeline")["losses"], "losses per batch")
+    assert_same_weights(weights(runs, name), weights(runs, "pipeline"), "final weights")
+
+
+@pytest.mark.slow
+def test_ranks_with_batches_of_different_shapes_fail_at_once_with_one_error_each(tmp_path: Path) -> None:
+    proc = train(tmp_path, "skewed", *PIPELINE, "data._target_=pipeline_probes.SkewedDigits", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.count("error: trainer=pipeline: the ranks of one pipeline got batches of different") == 2
+
+
+# ---------------------------------------------------------------- in one process
+
+
+def strategy_at(rank: int, world: int, **options: object) -> PipelineStrategy:
+    """A strategy as rank `rank` of `world` processes sees itself, without starting any."""
+    strategy = PipelineStrategy(**options)  # type: ignore[arg-type]
+    environment = LightningEnvironment()
+    environment.set_world_size(world)
+    environment.set_global_rank(rank)
+    strategy.cluster_environment = environment
+    return strategy
+
+
+def classifier(**net: object) -> ImageClassifier:
+    return ImageClassifier(MLP(**net), optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))  # type: ignore[arg-type]
+
+
+def test_each_rank_keeps_its_stage_under_the_full_models_names() -> None:
+    full = set(classifier().state_dict())
+    kept = []
+    for rank in (0, 1):
+        module, strategy = classifier(), strategy_at(rank, 2)
+        strategy.connect(module)
+        strategy.parallelize(module.net)
+        strategy.parallelize(module.net)  # fit, then test: the second call changes nothing
+        kept.append({k for k in module.state_dict() if k.startswith("net.")})
+        assert set(module.state_dict()) | strategy._foreign == full
+    assert kept[0] == {"net.layers.1.weight", "net.layers.1.bias"} and not kept[0] & kept[1]
+    assert kept[0] | kept[1] == {k for k in full if k.startswith("net.")}
+
+
+@pytest.mark.parametrize(
+    ("batch", "wanted", "schedule", "expected"),
+    [
+        (64, 4, "gpipe", (4, "gpipe")),
+        (18, 4, "1f1b", (3, "1f1b")),  # 4 does not divide 18: 3 equal micro-batches
+        (17, 4, "1f1b", (1, "gpipe")),  # a prime: one micro-batch, fewer than the 2 stages 1F1B needs
+        (64, 1, "1f1b", (1, "gpipe")),
+        (10, 5, "interleaved_1f1b", (2, "interleaved_1f1b")),  # 5 micro-batches are not whole rounds of 2
+        (3, 8, "gpipe", (3, "gpipe")),
+    ],
+)
+def test_a_batch_runs_as_equal_micro_batches(batch: int, wanted: int, schedule: str, expected: tuple) -> None:
+    assert st.micro_batches(batch, wanted, schedule, pp_size=2) == expected
+
+
+def test_the_config_builds_the_strategy_and_names_mistyped_options(make_cfg) -> None:
+    trainer = build.trainer(make_cfg("trainer=pipeline", "trainer.accelerator=cpu").trainer, [], [])
+    assert isinstance(trainer.strategy, PipelineStrategy) and trainer.strategy.schedule == "1f1b"
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)  # launched like ddp: sweeps, torchrun
+    with pytest.raises(UserError, match="did you mean 'micro_batches'"):
+        build.trainer(make_cfg("trainer=pipeline", "+trainer.strategy.micro_batch=2").trainer, [], [])
+    with pytest.raises(UserError, match="schedule='zero_bubble'"):
+        build.trainer(make_cfg("trainer=pipeline", "trainer.strategy.schedule=zero_bubble").trainer, [], [])
+
+
+def test_refusals_name_the_fix() -> None:
+    with pytest.raises(UserError, match="stages_per_rank=1: interleaved_1f1b"):
+        PipelineStrategy(schedule="interleaved_1f1b", stages_per_rank=1)
+    strategy = PipelineStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")  # what a CUDA run with fp16_mixed would get
+    with pytest.raises(UserError, match="precision 16-mixed.*bf16_mixed"):
+        strategy._configure_launcher()
+
+    def cut(net: nn.Module, world: int = 2, **options: object) -> None:
+        module, strategy = classifier(), strategy_at(0, world, **options)
+        module.net = net
+        strategy.connect(module)
+        strategy.parallelize(net)
+
+    with pytest.raises(UserError, match="nn.Sequential"):
+        cut(nn.Module())
+    with pytest.raises(UserError, match="8 stages .* for a net of 6 blocks"):
+        cut(MLP(), world=8)
+    with pytest.raises(UserError, match="lower trainer.strategy.stages_per_rank"):
+        cut(MLP(), schedule="interleaved_1f1b", stages_per_rank=4)
+    with pytest.raises(UserError, match="pipeline rank 0 would hold no parameters"):
+        cut(MLP(), schedule="interleaved_1f1b")  # by parameters: rank 0 would get Flatten and a ReLU
+
+    module = classifier()
+    with pytest.raises(UserError, match="parallelize"):
+        st.refuse(module, parallelized=False)
+    module.net.compile()  # compiles lazily: nothing runs here
+    with pytest.raises(UserError, match="model.compile=false"):
+        st.refuse(module, parallelized=True)
+    module, module.automatic_optimization = classifier(), False
+    with pytest.raises(UserError, match="automatic optimization"):
+        st.refuse(module, parallelized=True)
+
+
+def test_optimizer_states_split_by_stage_and_merge_back_to_one_devices() -> None:
+    net = MLP(in_features=12, hidden=(8, 6), num_classes=3)
+    order = [n for n, _ in net.named_parameters()]
+    names = {id(p): n for n, p in net.named_parameters()}
+    whole = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    nn.functional.cross_entropy(net(torch.randn(5, 12)), torch.tensor([0, 1, 2, 0, 1])).backward()
+    whole.step()
+    saved = whole.state_dict()
+    stages = [list(net.parameters())[:2], list(net.parameters())[2:]]
+    optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.9) for params in stages]
+    layouts = [st.layout(opt, names) for opt in optimizers]
+    full = st.global_layout(layouts, order)
+    assert full == st.layout(whole, names)
+    for opt, mine, params in zip(optimizers, layouts, stages):
+        opt.load_state_dict(st.split_optimizer_state(saved, full, mine))
+        for p in params:
+            assert torch.equal(opt.state[p]["momentum_buffer"], whole.state[p]["momentum_buffer"])
+    merged = st.merge_optimizer_states([(lay, opt.state_dict()) for lay, opt in zip(layouts, optimizers)], order)
+    assert merged["param_groups"] == saved["param_groups"]
+    assert merged["state"].keys() == saved["state"].keys()
+    for i, state in saved["state"].items():
+        assert torch.equal(merged["state"][i]["momentum_buffer"], state["momentum_buffer"])
+
+
+def test_metric_states_are_restored_after_the_micro_batch_runs_and_copied_to_other_stages() -> None:
+    metric, copy = MeanMetric(), MeanMetric()
+    metric.update(torch.tensor(1.0))
+    saved = st.snapshot({"m": metric})
+    metric.update(torch.tensor(5.0))  # what a per-micro-batch run of training_step would add
+    st.restore({"m": metric}, saved)
+    assert float(metric.compute()) == 1.0
+    metric.update(torch.tensor(3.0))
+    st.import_states({"m": copy}, st.export_states({"m": metric}, ["m"]), torch.device("cpu"))
+    assert float(copy.compute()) == float(metric.compute()) == 2.0
