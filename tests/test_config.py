@@ -41,6 +41,11 @@ def test_option_composes_builds_and_trains(make_cfg, tmp_path, group, option):
     cfg = make_cfg(f"{group}={option}", "profile=tiny", "trainer.max_epochs=1", "data.batch_size=16")
     if "MNISTDataModule" in cfg.data._target_:
         write_idx(Path(cfg.paths.data_dir), cfg.data.dataset, n_train=cfg.data.val_size + 100)
+    if cfg.data._target_.endswith("ImageFolderDataModule"):  # your own images: here PNG files of the digits
+        from project.data.digit_images import write_digit_images
+
+        write_digit_images(tmp_path / "images", per_class=20)
+        cfg.data.root = str(tmp_path / "images")
     processes = cfg.trainer.devices not in (1, "auto") and cfg.trainer.strategy != "dp"
     if processes and torch.cuda.device_count() < 2:
         cfg.trainer.accelerator = "cpu"  # multi-device options build on CPU processes where GPUs are too few

@@ -1,0 +1,21 @@
+"""Export a checkpoint: `python export.py ckpt_path=<run>/checkpoints/<best>.ckpt format=onnx|torch_export`.
+Writes <best>.onnx or <best>.pt2 beside the checkpoint. See README.md."""
+
+import hydra
+from omegaconf import DictConfig
+
+from project.config import register
+from project.entry import cli, run
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="export")
+def main(cfg: DictConfig) -> object:
+    from project.tasks.export import export  # torch loads only once a run really starts
+
+    return run(export, cfg)
+
+
+if __name__ == "__main__":
+    cli(main)

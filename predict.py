@@ -1,0 +1,21 @@
+"""Predict with a checkpoint: `python predict.py ckpt_path=<run>/checkpoints/<best>.ckpt input=<folder|image|IDX>`.
+Writes <run>/predictions.csv. See README.md."""
+
+import hydra
+from omegaconf import DictConfig
+
+from project.config import register
+from project.entry import cli, run
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="predict")
+def main(cfg: DictConfig) -> object:
+    from project.tasks.prediction import predict  # torch and Lightning load only once a run really starts
+
+    return run(predict, cfg)
+
+
+if __name__ == "__main__":
+    cli(main)
