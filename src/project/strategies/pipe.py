@@ -5,8 +5,9 @@ splits each batch into micro-batches so that stage 2 works on micro-batch i whil
 that is a strategy: the net (an nn.Sequential, project.strategies.parallelize) is cut into one stage per
 device, and each stage runs in a worker thread of its own, so the devices really work at the same time.
 
-Forward, at clock k every stage j runs micro-batch k - j (fill, then drain: torchgpipe's schedule). Each
-stage's input is a detached copy, so the graph ends at every stage boundary; the LightningModule sees the
+Forward follows torchgpipe's fill-drain clock (at tick k, stage j runs micro-batch k - j), except that a
+stage starts a micro-batch as soon as the stage before has handed it over, not when the whole tick is over.
+Each stage's input is a detached copy, so the graph ends at every stage boundary; the LightningModule sees the
 whole batch's output (the micro-batches concatenated) and computes its loss as on one device, `self.log` and
 metrics unchanged. Backward runs the same clock in reverse in the workers: Lightning's `loss.backward()` only
 reaches the last stage's outputs, then `backward` here sends each micro-batch's gradient back stage by stage.
@@ -16,7 +17,7 @@ single device's (BatchNorm aside: it normalises each micro-batch with that micro
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,12 +62,13 @@ class PipelinedForward:
         context = s.step_context
         keep = grad and not inference
         run = _Pass(inputs=[[] for _ in s.stage_modules], outputs=[[] for _ in s.stage_modules])
-        held: list[list[Tensor | None]] = [[None] * len(pieces) for _ in s.stage_modules]
+        done: dict[tuple[int, int], Future] = {}
 
         def task(j: int, i: int) -> Callable[[], Tensor]:
             def compute() -> Tensor:
-                source = pieces[i] if j == 0 else held[j - 1][i]
-                assert source is not None
+                # waits for the micro-batch from the stage before, which runs in its own thread: no deadlock,
+                # since every worker takes its micro-batches in the order the stage before produces them
+                source = pieces[i] if j == 0 else done[j - 1, i].result()
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad), context():
                     inp = source.detach().to(s.stage_devices[j], non_blocking=True)
                     if keep and j > 0 and inp.is_floating_point():
@@ -81,11 +83,13 @@ class PipelinedForward:
 
             return compute
 
+        # Queued in the fill-drain clock's order; each task starts as soon as its input is ready, so a stage
+        # never waits for a slower stage's unrelated micro-batch (no barrier per clock tick).
         for tick in clock(len(pieces), len(s.stage_modules)):
-            futures = [(j, i, s.workers[j].submit(task(j, i))) for j, i in tick]
-            for j, i, future in futures:
-                held[j][i] = future.result()  # a worker's exception is raised here, in the main thread
-        outputs = [out for out in held[-1] if out is not None]
+            for j, i in tick:
+                done[j, i] = s.workers[j].submit(task(j, i))
+        held = [[done[j, i].result() for i in range(len(pieces))] for j in range(len(s.stage_modules))]
+        outputs = held[-1]
         if not keep:
             return torch.cat(outputs)
         run.last = [out.detach().requires_grad_(True) for out in outputs]
@@ -229,33 +233,31 @@ class PipeStrategy(OneProcessStrategy):
         """Each pending forward's gradients, sent back through the stages on the reversed clock."""
         passes, self.pending = self.pending, []
         for run in passes:
-            grads: list[list[Tensor | None]] = [[None] * len(run.last) for _ in self.stage_modules]
-            grads[-1] = [leaf.grad for leaf in run.last]
-            if all(g is None for g in grads[-1]):
+            grads_out = [leaf.grad for leaf in run.last]
+            if all(g is None for g in grads_out):
                 continue  # this forward's output did not reach the loss
             last = len(self.stage_modules) - 1
 
-            def task(j: int, i: int) -> Callable[[], None]:
-                def compute() -> None:
-                    grad = grads[j][i]
-                    if grad is None:
-                        return
+            done: dict[tuple[int, int], Future] = {}
+
+            def task(j: int, i: int) -> Callable[[], Tensor | None]:
+                def compute() -> Tensor | None:
+                    grad = grads_out[i] if j == last else done[j + 1, i].result()  # the stage after's, for mb i
                     out = run.outputs[j][i]
-                    if not out.requires_grad:  # a stage without weights on an input that needs no gradient
-                        return
+                    if grad is None or not out.requires_grad:  # nothing reached it, or a stage without weights
+                        return None
                     torch.autograd.backward(out, grad.to(out.device))
-                    if j > 0:
-                        inp = run.inputs[j][i]
-                        grads[j - 1][i] = inp.grad
+                    return run.inputs[j][i].grad if j > 0 else None
 
                 return compute
 
             for tick in clock(len(run.last), len(self.stage_modules)):
-                # stage j at tick k: micro-batch M-1-(k-(K-1-j)), so the last stage starts with the last one
-                pairs = [(last - j, len(run.last) - 1 - i) for j, i in tick]
-                futures = [self.workers[j].submit(task(j, i)) for j, i in pairs]
-                for future in futures:
-                    future.result()
+                # stage K-1-j at tick k takes micro-batch M-1-(k-j): the last stage starts with the last one
+                for j, i in tick:
+                    stage, piece = last - j, len(run.last) - 1 - i
+                    done[stage, piece] = self.workers[stage].submit(task(stage, piece))
+            for future in done.values():
+                future.result()  # every task finished; a worker's exception is raised here
 
     def teardown(self) -> None:
         for worker in self.workers:
