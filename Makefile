@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-fast lint bench-pipeline train tensorboard tensorboard-shots devices clean
+.PHONY: install test test-fast lint bench bench-peer bench-pipeline train tensorboard tensorboard-shots devices clean
 
 install: $(BIN)/python  ## create .venv and install the project with its dev tools
 	$(BIN)/pip install --upgrade pip
@@ -12,8 +12,8 @@ install: $(BIN)/python  ## create .venv and install the project with its dev too
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-test:  ## the whole suite, slow end-to-end tests included
-	$(BIN)/pytest
+test:  ## the whole suite, slow end-to-end tests included; two test files at a time (most of it is process start-up)
+	$(BIN)/pytest -n 2 --dist loadfile
 
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
@@ -22,6 +22,20 @@ lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on s
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+bench:  ## the speed suite, a few minutes on CPU: benchmarks/results/*.{json,png} and profile.txt (benchmarks/README.md)
+	$(BIN)/python benchmarks/startup.py
+	$(BIN)/python benchmarks/whole_run.py
+	$(BIN)/python benchmarks/step_loop.py
+	$(BIN)/python benchmarks/data_path.py
+	$(BIN)/python benchmarks/ddp.py
+	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/profile_run.py
+
+bench-peer:  ## make the lightning-hydra-template's venv (pip: rootutils, hydra-colorlog), then the figures that use it
+	$(BIN)/python benchmarks/peer.py --setup
+	$(BIN)/python benchmarks/startup.py
+	$(BIN)/python benchmarks/whole_run.py
 
 bench-pipeline:  ## one device vs plain split vs pipelined split: benchmarks/results/pipeline.{json,png}
 	$(BIN)/python benchmarks/pipeline.py

@@ -96,7 +96,8 @@ class PreemptionProbe(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == 1 and trainer.ckpt_path is None:
             os.kill(os.getpid(), signal.SIGUSR1)
-            time.sleep(30)  # SLURM ends the job after the requeue; here the fake scontrol does
+            if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+                time.sleep(30)  # Lightning's requeue: SLURM ends the job; here the fake scontrol does
 
 
 def listening_addresses(port: int) -> list[str]:

@@ -232,6 +232,7 @@ def test_resume_continues_at_the_next_epoch_with_the_best_so_far(cli, tmp_path, 
         "train.py",
         f"ckpt_path={planted}",
         f"trainer.max_epochs={done_epochs + 2}",
+        "stretch_schedule=true",
         "logger=csv",
         "~callbacks.early_stopping",
     )

@@ -36,7 +36,7 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
     assert meta["epoch"] == 2 and meta["hyper_parameters"]["trainer"]["strategy"]["_target_"].endswith("FSDPStrategy")
 
     resumed_logs = tmp_path / "resumed"
-    cli("train.py", *FSDP, f"ckpt_path={last}", "trainer.max_epochs=4", cwd=resumed_logs)
+    cli("train.py", *FSDP, f"ckpt_path={last}", "trainer.max_epochs=4", "stretch_schedule=true", cwd=resumed_logs)
     (resumed,) = run_dirs(resumed_logs / "logs")
     meta2 = torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
     assert meta2["epoch"] == 3 and meta2["global_step"] == meta["global_step"] + meta["global_step"] // 3

@@ -125,11 +125,12 @@ def test_plain_slurm_job_lightning_requeues_and_the_requeued_job_resumes(tmp_pat
 @pytest.mark.slow
 def test_submitit_job_lightning_stays_out_and_the_resubmitted_job_resumes(tmp_path, fake_scontrol):
     first = slurm_job(tmp_path, {"SUBMITIT_EXECUTOR": "slurm"})
-    # no Lightning handler: SIGUSR1 ends the process (submitit's own handler listens on USR2)
-    assert first.returncode == -signal.SIGUSR1
+    # no Lightning requeue (submitit's own handler listens on USR2): SIGUSR1 saves at the next step and exits 138
+    assert first.returncode == 128 + signal.SIGUSR1, first.stderr[-2000:]
+    assert "stopped by SIGUSR1 at epoch 1" in first.stderr
     run = tmp_path / "logs" / "train" / "runs" / "slurm_99_0"
     assert not fake_scontrol.exists() and not list(run.glob("hpc_ckpt_*"))
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1  # saved mid-epoch 1
 
     second = slurm_job(tmp_path, {"SUBMITIT_EXECUTOR": "slurm", "SLURM_RESTART_COUNT": "1"})  # resubmitted
     assert second.returncode == 0, second.stderr[-3000:]

@@ -21,7 +21,8 @@ from project.runs.results import write_metrics
 
 
 def _environment(trainer: L.Trainer) -> Any:
-    return getattr(trainer.strategy, "cluster_environment", None)
+    """The cluster environment Lightning's own signal handling looks at (single-device strategies have none)."""
+    return trainer._accelerator_connector.cluster_environment
 
 
 def _requeued_by_lightning(trainer: L.Trainer) -> bool:

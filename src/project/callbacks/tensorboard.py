@@ -7,6 +7,7 @@ TensorBoard logger; without one the callback does nothing.
 """
 
 import logging
+import warnings
 from typing import Any
 
 import lightning.pytorch as L
@@ -161,7 +162,9 @@ class TensorBoardInsights(L.Callback):
         was_training = net.training
         net.eval()
         try:
-            writer.add_graph(net, batch[0][:2])
+            with warnings.catch_warnings():  # torch.jit.trace is deprecated in favour of export, but TensorBoard's
+                warnings.simplefilter("ignore", FutureWarning)  # graph is drawn from it; nothing a user can change
+                writer.add_graph(net, batch[0][:2])
         except Exception as e:  # a net that cannot be traced still trains; say why it has no graph
             log.warning(f"TensorBoard graph: {type(e).__name__}: {e}")
         finally:

@@ -40,9 +40,20 @@ class LaunchConfig:
 
 
 @dataclass
-class TrainConfig:
-    task_name: str = "train"
+class RunConfig:
+    """What every entry point's config has."""
+
+    task_name: str = MISSING
     seed: Optional[int] = None
+    trainer: Any = MISSING
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    float32_matmul_precision: str = "high"
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    task_name: str = "train"
     train: bool = True
     test: bool = True
     ckpt_path: Optional[str] = None
@@ -50,54 +61,36 @@ class TrainConfig:
     optimized_metric: Optional[str] = None
     data: Any = MISSING
     model: Any = MISSING
-    trainer: Any = MISSING
     callbacks: Any = field(default_factory=dict)
     logger: Any = field(default_factory=dict)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    float32_matmul_precision: str = "high"
-    paths: PathsConfig = field(default_factory=PathsConfig)
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(RunConfig):
     task_name: str = "eval"
-    seed: Optional[int] = None
     ckpt_path: str = MISSING
     data: Any = None  # None: the data config stored in the checkpoint
-    trainer: Any = MISSING
     logger: Any = field(default_factory=dict)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    float32_matmul_precision: str = "high"
-    paths: PathsConfig = field(default_factory=PathsConfig)
 
 
 @dataclass
-class PredictConfig:
+class PredictConfig(RunConfig):
     task_name: str = "predict"
-    seed: Optional[int] = None
     ckpt_path: str = MISSING
     input: str = MISSING  # a folder of images, one image, or an IDX file
     resize: bool = True  # images of another size: resized to the model's (false: refused)
     batch_size: int = 256
     num_workers: int = 0
-    trainer: Any = MISSING
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    float32_matmul_precision: str = "high"
-    paths: PathsConfig = field(default_factory=PathsConfig)
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(RunConfig):
     task_name: str = "export"
-    seed: Optional[int] = None
     ckpt_path: str = MISSING
     format: str = "onnx"  # onnx | torch_export
     output: Optional[str] = None  # None: beside the checkpoint, <checkpoint name>.onnx or .pt2
     check: bool = True  # compare the exported model's outputs with PyTorch's before finishing
     trainer: Any = None  # not used: export runs no Trainer; here so that profiles (which size it) apply too
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    float32_matmul_precision: str = "high"
-    paths: PathsConfig = field(default_factory=PathsConfig)
 
 
 def register_schemas() -> None:
