@@ -11,9 +11,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    from project.tasks.evaluation import evaluate
-
-    return run(evaluate, cfg)
+    return run("project.tasks.evaluation:evaluate", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

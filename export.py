@@ -12,9 +12,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
 def main(cfg: DictConfig) -> object:
-    from project.tasks.export import export  # torch loads only once a run really starts
-
-    return run(export, cfg)
+    return run("project.tasks.export:export", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="predict")
 def main(cfg: DictConfig) -> object:
-    from project.tasks.prediction import predict  # torch and Lightning load only once a run really starts
-
-    return run(predict, cfg)
+    return run("project.tasks.prediction:predict", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from project.tasks.training import train  # torch and Lightning load only once a run really starts
-
-    return run(train, cfg)
+    return run("project.tasks.training:train", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

@@ -83,10 +83,19 @@ def _strip_comment(line: str) -> tuple[str, str]:
     return line.strip(), ""
 
 
-def readme_commands() -> list[tuple[str, str | None, bool]]:
-    """(command, expected error line or None, runs here) for every command of README.md, in order."""
+# The commands run in two halves, each in its own fresh copy, so that two test processes can share them: the
+# second half starts at this heading, and makes the digits' PNG files first, as the first half's Predict does.
+SECOND_HALF = "## Devices and strategies"
+
+
+def readme_commands(half: int | None = None) -> list[tuple[str, str | None, bool]]:
+    """(command, expected error line or None, runs here) for every command of README.md, in order (of one half)."""
+    text = README.read_text()
+    if half is not None:
+        first, second = text.split(SECOND_HALF, 1)
+        text = first if half == 1 else SECOND_HALF + second
     found = []
-    for lang, body in re.findall(r"```(bash|console)\n(.*?)```", README.read_text(), re.S):
+    for lang, body in re.findall(r"```(bash|console)\n(.*?)```", text, re.S):
         script = body.startswith("#!")
         lines = body.replace("\\\n", " ").splitlines()
         for i, raw in enumerate(lines):
@@ -105,7 +114,7 @@ def readme_commands() -> list[tuple[str, str | None, bool]]:
 
 
 COMMANDS = readme_commands()
-RUNNABLE = [(c, e) for c, e, runs in COMMANDS if runs]
+RUNNABLE = [(c, e) for c, e, runs in readme_commands(half=1) if runs]
 
 
 def test_every_command_that_cannot_run_here_is_covered_by_a_named_test():
@@ -122,8 +131,7 @@ def test_the_environment_make_install_makes_can_be_activated():
     assert (Path(sys.executable).parent / "activate").is_file()
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def fresh_copy(tmp_path_factory) -> Path:
     """A fresh copy of the repository's files, as a clone has them, with MNIST files in data/."""
     work = tmp_path_factory.mktemp("clone")
     listed = subprocess.run(
@@ -156,8 +164,12 @@ def _fill(command: str, work: Path) -> str:
     return command.replace("<run>", run.name).replace("<best>", best.stem)
 
 
-@pytest.mark.parametrize(("command", "expected"), RUNNABLE, ids=[c for c, _ in RUNNABLE])
-def test_readme_command(workdir, command, expected):
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return fresh_copy(tmp_path_factory)
+
+
+def run_command(workdir: Path, command: str, expected: str | None) -> None:
     # the copy's own code, as an editable install of a fresh clone would give: a file the README has a user
     # add (a net of their own) is found
     env = cli_env(PROJECT_PROFILE="tiny", PATH=f"{Path(sys.executable).parent}:{cli_env()['PATH']}")
@@ -174,3 +186,8 @@ def test_readme_command(workdir, command, expected):
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     else:
         assert proc.returncode == 2 and expected in proc.stderr.splitlines(), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("command", "expected"), RUNNABLE, ids=[c for c, _ in RUNNABLE])
+def test_readme_command(workdir, command, expected):
+    run_command(workdir, command, expected)

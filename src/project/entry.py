@@ -112,24 +112,37 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 def _lost_rank(error: BaseException) -> str | None:
     """A collective that failed because another rank died: say so once, in one line, instead of a traceback."""
-    from project.launch import ranks
-
     if not any(text in str(error) for text in _PEER_GONE):
         return None
+    from project.launch import ranks  # imports Lightning: only once a collective has failed
+
     reason = " ".join(str(error).split())[:160]
     line = ranks.dead_rank() or f"lost the connection to another rank ({reason}); see that rank's log"
     ranks.report_once(line)
     return line
 
 
-def run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
-    """Call `task(cfg)`. A mistake leaves no run dir behind and becomes one `error: ...` line on stderr with exit
-    code 2. In a sweep, any failure fails this job only: one line on stderr, the traceback in the job's
-    error.txt, and the sweep goes on (project.launch.sweeps.SweepReport exits non-zero at its end)."""
-    _one_console_output()
+def _task(name: str) -> Callable[[DictConfig], Any]:
+    """`module:function`, imported only now: torch and Lightning load once the config has passed its checks."""
+    import importlib
+
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def run(task: str, cfg: DictConfig) -> Any:
+    """Call the task (`module:function`) on `cfg`. A mistake leaves no run dir behind and becomes one
+    `error: ...` line on stderr with exit code 2; config mistakes are found before torch is even imported. In a
+    sweep, any failure fails this job only: one line on stderr, the traceback in the job's error.txt, and the
+    sweep goes on (project.launch.sweeps.SweepReport exits non-zero at its end)."""
+    from project.config.schema import check_config
+
     hc = HydraConfig.get()
     try:
-        return task(cfg)
+        check_config(cfg)
+        function = _task(task)
+        _one_console_output()
+        return function(cfg)
     except Exception as e:
         if full_error():
             raise

@@ -33,22 +33,37 @@ def _one_process(trainer: L.Trainer) -> bool:
 
 
 def sample_figure(images: Tensor, preds: Tensor, targets: Tensor, columns: int = 8) -> Any:
-    """A grid of digits titled `predicted/true`, misclassified first and in red."""
+    """A grid of digits titled `predicted/true`, misclassified first and in red. One image and one axes: a
+    subplot per digit would cost ten times as much."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     order = sorted(range(len(preds)), key=lambda i: (bool(preds[i] == targets[i]), i))
-    rows = (len(order) + columns - 1) // columns
-    fig, axes = plt.subplots(rows, columns, figsize=(columns * 1.1, rows * 1.3), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, i in zip(axes.flat, order):
-        ax.imshow(images[i].float().mean(0).cpu().numpy(), cmap="gray")
+    tiles = images[order].float().mean(1).cpu()  # (n, h, w), grey
+    n, h, w = tiles.shape
+    rows = (n + columns - 1) // columns
+    grid = torch.full((rows * (h + 8), columns * (w + 2)), float(tiles.min()))
+    for k in range(n):
+        r, c = divmod(k, columns)
+        grid[r * (h + 8) + 8 : r * (h + 8) + 8 + h, c * (w + 2) : c * (w + 2) + w] = tiles[k]
+    fig, ax = plt.subplots(figsize=(columns * 0.9, rows * 1.05))
+    ax.imshow(grid.numpy(), cmap="gray")
+    ax.axis("off")
+    for k, i in enumerate(order):
+        r, c = divmod(k, columns)
         wrong = bool(preds[i] != targets[i])
-        ax.set_title(f"{int(preds[i])}/{int(targets[i])}", color="red" if wrong else "black", fontsize=9)
-    fig.suptitle("predicted/true, misclassified first", fontsize=10)
+        ax.text(
+            c * (w + 2) + w / 2,
+            r * (h + 8) + 4,
+            f"{int(preds[i])}/{int(targets[i])}",
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="red" if wrong else "white",
+        )
+    ax.set_title("predicted/true, misclassified first", fontsize=9)
     fig.tight_layout()
     return fig
 
