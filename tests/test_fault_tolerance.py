@@ -113,7 +113,8 @@ def wait_for(path: Path, timeout: float = 120) -> str:
     raise AssertionError(f"{path} never appeared")
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+# SIGUSR1 (138) outside SLURM's requeue: tests/test_slurm.py, the submitit job
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_saves_writes_the_metrics_and_exits_non_zero(tmp_path, sig, code):
     probe = tmp_path / "probe"
     probe.mkdir()

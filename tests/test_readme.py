@@ -34,6 +34,7 @@ ELSEWHERE = {
         "tests/test_parallel_sweeps.py::test_parallel_workers_get_their_own_cores_and_more_jobs_than_gpus_are_refused"
     ),
     "source .venv/bin/activate": "tests/test_readme.py::test_the_environment_make_install_makes_can_be_activated",
+    "make tensorboard-shots": "tests/test_tensorboard.py::test_screenshots_of_the_scalars_hparams_and_images_pages",
     "tensorboard --logdir logs": "tests/test_tensorboard.py::test_the_server_shows_the_runs_by_name_with_their_scalars",
     "CUDA_VISIBLE_DEVICES=2,3 python train.py trainer=ddp": (
         "tests/test_cli.py::test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data"
