@@ -1,0 +1,182 @@
+"""`make bench` figure 3: the template's training loop against a hand-written PyTorch loop, time per epoch, on the
+default LeNet and on the 784-64-128-64 MLP. Same net (built from the same config), same batches (the default
+digits' 3,500 training and 500 validation digits, batch 64, reshuffled each epoch), same device, same optimizer
+(Adam, lr 0.002, cosine schedule stepped per epoch); each epoch trains, then validates.
+
+Three loops, in interleaved rounds, one fit of each per round, in this process:
+- hand-written: plain PyTorch, nothing but the step and a validation pass;
+- bare LightningModule: the same step in Lightning, with no logger, no callbacks, no progress bar, no metrics;
+- this template: `project.tasks.training.train` on the composed config (metrics, logging, progress bar,
+  checkpoints, TensorBoard), as `python train.py` would run it, with benchmarks/epoch_timer.py added.
+The first epoch of every fit (set-up, sanity check, allocator warm-up) is left out.
+Targets: the template <= 1.05x the hand-written loop on LeNet, <= 1.3x on the MLP.
+Writes benchmarks/results/step_loop.json and step_loop.png.
+"""
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from epoch_timer import EpochTimer
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from plotting import bars, pyplot
+from timing import REPO, RESULTS, interleaved, summary, write_results
+from torch import nn
+
+from project.config import register
+from project.data.digits import DigitsDataModule
+from project.tasks.training import train
+
+WORKLOADS = {"lenet": ["model=lenet"], "mlp 784-64-128-64": ["model=mlp", "model.net.hidden=[64,128,64]"]}
+TARGETS = {"lenet": 1.05, "mlp 784-64-128-64": 1.3}
+LR = 0.002
+
+
+def compose_cfg(overrides: list[str], out: Path, epochs: int) -> DictConfig:
+    """The run config `python train.py <overrides>` would get, writing into `out`."""
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose(
+            "train",
+            overrides=[
+                *overrides,
+                f"paths.root_dir={out}",
+                f"paths.output_dir={out}",
+                f"trainer.max_epochs={epochs}",
+                "test=false",
+                "+callbacks.epoch_timer._target_=epoch_timer.EpochTimer",
+                f"+callbacks.epoch_timer.path={out / 'epochs.json'}",
+            ],
+        )
+
+
+def splits() -> dict[str, Any]:
+    data = DigitsDataModule()
+    data.setup()
+    return data.splits
+
+
+def hand_written(net: nn.Module, data: dict[str, Any], epochs: int, batch: int) -> list[float]:
+    """The loop everyone writes first; returns seconds per epoch (train, then validate)."""
+    optimizer = torch.optim.Adam(net.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    criterion = nn.CrossEntropyLoss()
+    x_train, y_train = data["train"].images, data["train"].labels
+    x_val, y_val = data["val"].images, data["val"].labels
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        net.train()
+        for idx in torch.randperm(len(y_train)).split(batch):
+            loss = criterion(net(x_train[idx]), y_train[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        net.eval()
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, len(y_val), batch):
+                correct += int((net(x_val[i : i + batch]).argmax(1) == y_val[i : i + batch]).sum())
+        scheduler.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+class BareModule(L.LightningModule):
+    """The same step as the hand-written loop, in Lightning, and nothing else."""
+
+    def __init__(self, net: nn.Module, epochs: int) -> None:
+        super().__init__()
+        self.net, self.epochs, self.criterion = net, epochs, nn.CrossEntropyLoss()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.criterion(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        (self.net(x).argmax(1) == y).sum()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=LR)
+        return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)]
+
+
+def bare_lightning(net: nn.Module, epochs: int, batch: int, out: Path) -> list[float]:
+    timer = EpochTimer(str(out / "bare.json"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
+    trainer.fit(BareModule(net, epochs), datamodule=DigitsDataModule(batch_size=batch))
+    return [e["epoch_s"] for e in timer.epochs]
+
+
+def template(cfg: DictConfig) -> list[float]:
+    train(cfg)
+    return [e["epoch_s"] for e in json.loads((Path(cfg.paths.output_dir) / "epochs.json").read_text())["epochs"]]
+
+
+def measure(name: str, overrides: list[str], epochs: int, repeats: int, work: Path) -> dict[str, Any]:
+    probe = compose_cfg(overrides, work / "probe", epochs)
+    torch.manual_seed(0)
+    net = instantiate(probe.model.net)
+    batch, data = int(probe.data.batch_size), splits()
+    rounds = iter(range(10**6))
+    loops = {
+        "hand-written": lambda: hand_written(copy.deepcopy(net), data, epochs, batch),
+        "bare LightningModule": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, work),
+        "this template": lambda: template(compose_cfg(overrides, work / f"{name}-{next(rounds)}", epochs)),
+    }
+    per_fit = interleaved(loops, repeats=repeats)  # each fit's first epoch (one-off costs) is dropped below
+    rows = {loop: summary([t for fit in fits for t in fit[1:]]) for loop, fits in per_fit.items()}
+    base = rows["hand-written"]["median"]
+    for loop, row in rows.items():
+        row["ratio_to_hand_written"] = row["median"] / base
+        print(f"{name:18s} {loop:22s} {row['median'] * 1000:8.1f} ms/epoch  x{row['ratio_to_hand_written']:.2f}")
+    return {"overrides": overrides, "batch_size": batch, "target_ratio": TARGETS[name], "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="per fit; the first is left out")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    args = parser.parse_args()
+    register()
+    work = Path(tempfile.mkdtemp(prefix="bench-step-loop-"))
+    results: dict[str, Any] = {
+        "epochs_per_fit": args.epochs,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+    }
+    results["workloads"] = {
+        name: measure(name, WORKLOADS[name], args.epochs, args.repeats, work) for name in args.workloads
+    }
+    path = write_results("step_loop", results)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(args.workloads), figsize=(6 * len(args.workloads), 4.5), squeeze=False)
+    for ax, (name, found) in zip(axes[0], results["workloads"].items()):
+        target = ("target", found["target_ratio"] * found["rows"]["hand-written"]["median"])
+        bars(found["rows"], RESULTS / "step_loop.png", name, "seconds per epoch (median, min-max)", target, ax=ax)
+    fig.suptitle("Training loop: time per epoch (train + validate), same net, batches, optimizer")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "step_loop.png", dpi=110)
+    print(f"wrote {path} and {RESULTS / 'step_loop.png'}")
+
+
+if __name__ == "__main__":
+    main()
