@@ -8,6 +8,7 @@ TensorBoard logger; without one the callback does nothing.
 
 import logging
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import lightning.pytorch as L
@@ -32,14 +33,27 @@ def _one_process(trainer: L.Trainer) -> bool:
     return isinstance(trainer.strategy, SingleDeviceStrategy)
 
 
+def _figure(width: float, height: float) -> tuple[Any, Any]:
+    """A matplotlib figure of its own, without pyplot's global state: safe to draw in a background thread."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=80)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _pixels(fig: Any) -> Any:
+    """The drawn figure as an (H, W, 3) uint8 array."""
+    import numpy as np
+
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
 def sample_figure(images: Tensor, preds: Tensor, targets: Tensor, columns: int = 8) -> Any:
     """A grid of digits titled `predicted/true`, misclassified first and in red. One image and one axes: a
     subplot per digit would cost ten times as much."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     order = sorted(range(len(preds)), key=lambda i: (bool(preds[i] == targets[i]), i))
     tiles = images[order].float().mean(1).cpu()  # (n, h, w), grey
     n, h, w = tiles.shape
@@ -48,7 +62,7 @@ def sample_figure(images: Tensor, preds: Tensor, targets: Tensor, columns: int =
     for k in range(n):
         r, c = divmod(k, columns)
         grid[r * (h + 8) + 8 : r * (h + 8) + 8 + h, c * (w + 2) : c * (w + 2) + w] = tiles[k]
-    fig, ax = plt.subplots(figsize=(columns * 0.9, rows * 1.05))
+    fig, ax = _figure(columns * 0.9, rows * 1.05)
     ax.imshow(grid.numpy(), cmap="gray")
     ax.axis("off")
     for k, i in enumerate(order):
@@ -70,13 +84,8 @@ def sample_figure(images: Tensor, preds: Tensor, targets: Tensor, columns: int =
 
 def confusion_figure(matrix: Tensor) -> Any:
     """Counts of true class (rows) against predicted class (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     n = matrix.shape[0]
-    fig, ax = plt.subplots(figsize=(0.5 * n + 2, 0.5 * n + 1.5))
+    fig, ax = _figure(0.5 * n + 2, 0.5 * n + 1.5)
     ax.imshow(matrix.cpu().numpy(), cmap="Blues")
     for t in range(n):
         for p in range(n):
@@ -112,6 +121,19 @@ class TensorBoardInsights(L.Callback):
         self._matrix: Tensor | None = None
         self._grid: tuple[Tensor, Tensor, Tensor] | None = None
         self._graph_done = False
+        self._painter: ThreadPoolExecutor | None = None  # made on first use: a callback must pickle (ddp_spawn)
+        self._drawing: list[Future] = []
+
+    def _finish_drawing(self) -> None:
+        drawing, self._drawing = self._drawing, []
+        for future in drawing:
+            future.result()  # a drawing error is raised here, not lost
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._finish_drawing()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._finish_drawing()
 
     def _due(self, trainer: L.Trainer) -> bool:
         return not trainer.sanity_checking and trainer.current_epoch % self.every_n_epochs == 0
@@ -152,11 +174,19 @@ class TensorBoardInsights(L.Callback):
         writer = _writer(trainer)
         if writer is None or not trainer.is_global_zero:
             return
-        step = trainer.global_step
-        if self._grid is not None:
-            writer.add_figure("val/samples", sample_figure(*self._grid), step)
-        if matrix is not None:
-            writer.add_figure("val/confusion_matrix", confusion_figure(matrix), step)
+        step, grid = trainer.global_step, self._grid
+        matrix = matrix.cpu() if matrix is not None else None
+        grid = tuple(t.cpu() for t in grid) if grid is not None else None  # type: ignore[assignment]
+
+        def draw() -> None:  # in a thread of its own: training goes on meanwhile
+            if grid is not None:
+                writer.add_image("val/samples", _pixels(sample_figure(*grid)), step, dataformats="HWC")
+            if matrix is not None:
+                writer.add_image("val/confusion_matrix", _pixels(confusion_figure(matrix)), step, dataformats="HWC")
+
+        if self._painter is None:
+            self._painter = ThreadPoolExecutor(1, thread_name_prefix="tensorboard-figures")
+        self._drawing.append(self._painter.submit(draw))
         if self.histograms and _one_process(trainer):
             for name, param in pl_module.named_parameters():
                 writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
