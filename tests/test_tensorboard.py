@@ -141,3 +141,34 @@ def test_screenshots_of_the_scalars_hparams_and_images_pages(logs):
     for page in ("scalars", "hparams", "images"):
         png = (run / f"tensorboard_{page}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_figures_are_drawn_with_no_torch_op_in_their_thread(make_cfg, monkeypatch):
+    """A torch op in a second thread starts a second OpenMP thread team; with more OpenMP threads than cores,
+    libgomp stops spinning, and every later training step of the process ran up to 3x slower on 2 cores. The
+    drawing thread gets numpy arrays only; a torch function mode in that thread records any torch call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.overrides import TorchFunctionMode
+
+    import project.callbacks.tensorboard as insights
+    from project.tasks.training import train
+
+    calls: list[str] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def painter(workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix, initializer=Record().__enter__)
+
+    monkeypatch.setattr(insights, "ThreadPoolExecutor", painter)
+    cfg = make_cfg("profile=tiny", "model=mlp", "test=false", "trainer.max_epochs=1")
+    train(cfg)
+    (events,) = Path(cfg.paths.output_dir).glob("tensorboard/events.out.tfevents.*")
+    drawn = EventAccumulator(str(events)).Reload().Tags()["images"]
+    assert {"val/samples", "val/confusion_matrix"} <= set(drawn)
+    assert calls == []

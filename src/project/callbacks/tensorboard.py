@@ -33,73 +33,6 @@ def _one_process(trainer: L.Trainer) -> bool:
     return isinstance(trainer.strategy, SingleDeviceStrategy)
 
 
-def _figure(width: float, height: float) -> tuple[Any, Any]:
-    """A matplotlib figure of its own, without pyplot's global state: safe to draw in a background thread."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=80)
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
-
-
-def _pixels(fig: Any) -> Any:
-    """The drawn figure as an (H, W, 3) uint8 array."""
-    import numpy as np
-
-    fig.canvas.draw()
-    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-
-
-def sample_figure(images: Tensor, preds: Tensor, targets: Tensor, columns: int = 8) -> Any:
-    """A grid of digits titled `predicted/true`, misclassified first and in red. One image and one axes: a
-    subplot per digit would cost ten times as much."""
-    order = sorted(range(len(preds)), key=lambda i: (bool(preds[i] == targets[i]), i))
-    tiles = images[order].float().mean(1).cpu()  # (n, h, w), grey
-    n, h, w = tiles.shape
-    rows = (n + columns - 1) // columns
-    grid = torch.full((rows * (h + 8), columns * (w + 2)), float(tiles.min()))
-    for k in range(n):
-        r, c = divmod(k, columns)
-        grid[r * (h + 8) + 8 : r * (h + 8) + 8 + h, c * (w + 2) : c * (w + 2) + w] = tiles[k]
-    fig, ax = _figure(columns * 0.9, rows * 1.05)
-    ax.imshow(grid.numpy(), cmap="gray")
-    ax.axis("off")
-    for k, i in enumerate(order):
-        r, c = divmod(k, columns)
-        wrong = bool(preds[i] != targets[i])
-        ax.text(
-            c * (w + 2) + w / 2,
-            r * (h + 8) + 4,
-            f"{int(preds[i])}/{int(targets[i])}",
-            ha="center",
-            va="center",
-            fontsize=7,
-            color="red" if wrong else "white",
-        )
-    ax.set_title("predicted/true, misclassified first", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def confusion_figure(matrix: Tensor) -> Any:
-    """Counts of true class (rows) against predicted class (columns)."""
-    n = matrix.shape[0]
-    fig, ax = _figure(0.5 * n + 2, 0.5 * n + 1.5)
-    ax.imshow(matrix.cpu().numpy(), cmap="Blues")
-    for t in range(n):
-        for p in range(n):
-            count = int(matrix[t, p])
-            if count:
-                ax.text(p, t, str(count), ha="center", va="center", fontsize=7, color="black")
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_xticks(range(n))
-    ax.set_yticks(range(n))
-    fig.tight_layout()
-    return fig
-
-
 class TensorBoardInsights(L.Callback):
     """`images`: a grid of validation digits with predicted and true labels; `confusion_matrix`: the
     validation epoch's; `graph`: the net's graph, once (one-process strategies); `histograms`: weights and
@@ -174,15 +107,22 @@ class TensorBoardInsights(L.Callback):
         writer = _writer(trainer)
         if writer is None or not trainer.is_global_zero:
             return
-        step, grid = trainer.global_step, self._grid
-        matrix = matrix.cpu() if matrix is not None else None
-        grid = tuple(t.cpu() for t in grid) if grid is not None else None  # type: ignore[assignment]
+        # The drawing thread gets numpy arrays and lists only: a torch op in a second thread would start a second
+        # OpenMP thread team, and with more OpenMP threads than cores libgomp stops spinning, which made every
+        # later training step of the process up to 3x slower on 2 cores (benchmarks/step_loop.py).
+        from project.loggers import figures
+
+        step, grid = trainer.global_step, None
+        counts = matrix.cpu().numpy() if matrix is not None else None
+        if self._grid is not None:
+            images, preds, targets = self._grid
+            grid = (images.float().mean(1).cpu().numpy(), preds.cpu().tolist(), targets.cpu().tolist())
 
         def draw() -> None:  # in a thread of its own: training goes on meanwhile
             if grid is not None:
-                writer.add_image("val/samples", _pixels(sample_figure(*grid)), step, dataformats="HWC")
-            if matrix is not None:
-                writer.add_image("val/confusion_matrix", _pixels(confusion_figure(matrix)), step, dataformats="HWC")
+                writer.add_image("val/samples", figures.sample_grid(*grid), step, dataformats="HWC")
+            if counts is not None:
+                writer.add_image("val/confusion_matrix", figures.confusion_image(counts), step, dataformats="HWC")
 
         if self._painter is None:
             self._painter = ThreadPoolExecutor(1, thread_name_prefix="tensorboard-figures")

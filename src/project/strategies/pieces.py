@@ -99,7 +99,8 @@ def combine(outputs: list[Any], sizes: list[int], root: torch.device) -> Any:
 def log_once(
     module: Any, pieces: list[nn.Module], records: list[list[Record]], sizes: list[int], root: torch.device
 ) -> None:
-    """Log once what every piece logged: metric states combined, plain values reduced by their reduce_fx.
+    """Log once what every piece logged: metric states combined (also of metrics updated but not logged in the
+    step), plain values reduced by their reduce_fx.
     `pieces` are the module copies that ran the pieces (their metrics hold the pieces' states)."""
     names = [[name for name, _, _ in piece_records] for piece_records in records]
     if any(n != names[0] for n in names[1:]):
@@ -125,6 +126,14 @@ def log_once(
                 reduce_values(values, sizes, kwargs.get("reduce_fx", "mean"), root),
                 **{"batch_size": total, **kwargs},
             )
+    # Metrics the step updated without logging them (logged once an epoch, say) hold the pieces' states too.
+    for path, piece_metric in pieces[0].named_modules():
+        if isinstance(piece_metric, Metric):
+            metric = module.get_submodule(path)
+            piece_metrics = [m for m in (piece.get_submodule(path) for piece in pieces) if isinstance(m, Metric)]
+            if id(metric) not in combined and any(m._update_count for m in piece_metrics):
+                combine_metric(metric, piece_metrics, root)
+                combined.add(id(metric))
 
 
 def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device) -> None:
