@@ -26,6 +26,7 @@ from project import build
 from project.errors import UserError
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
+from project.strategies import pipeline_checkpoints as ckpt
 from project.strategies import pipeline_stages as st
 from project.strategies.pipeline import PipelineStrategy
 
@@ -272,14 +273,14 @@ def test_optimizer_states_split_by_stage_and_merge_back_to_one_devices() -> None
     saved = whole.state_dict()
     stages = [list(net.parameters())[:2], list(net.parameters())[2:]]
     optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.9) for params in stages]
-    layouts = [st.layout(opt, names) for opt in optimizers]
-    full = st.global_layout(layouts, order)
-    assert full == st.layout(whole, names)
+    layouts = [ckpt.layout(opt, names) for opt in optimizers]
+    full = ckpt.global_layout(layouts, order)
+    assert full == ckpt.layout(whole, names)
     for opt, mine, params in zip(optimizers, layouts, stages):
-        opt.load_state_dict(st.split_optimizer_state(saved, full, mine))
+        opt.load_state_dict(ckpt.split_optimizer_state(saved, full, mine))
         for p in params:
             assert torch.equal(opt.state[p]["momentum_buffer"], whole.state[p]["momentum_buffer"])
-    merged = st.merge_optimizer_states([(lay, opt.state_dict()) for lay, opt in zip(layouts, optimizers)], order)
+    merged = ckpt.merge_optimizer_states([(lay, opt.state_dict()) for lay, opt in zip(layouts, optimizers)], order)
     assert merged["param_groups"] == saved["param_groups"]
     assert merged["state"].keys() == saved["state"].keys()
     for i, state in saved["state"].items():

@@ -15,18 +15,17 @@ user's step once, on the whole batch's output.
 Every batch is cut into M' equal micro-batches (M' = the largest divisor of the batch size <= micro_batches): the
 mean of M' micro-batch mean losses is the batch's mean loss, so gradients equal one device's (the loss must be a
 mean over the batch). BatchNorm normalises each micro-batch by itself and dropout draws per stage: both differ
-from one device. Checkpoints are one ordinary .ckpt file, gathered on rank 0 (project.strategies.pipeline_stages).
+from one device. Checkpoints are one ordinary .ckpt file, gathered on rank 0 (project.strategies.pipeline_checkpoints).
 """
 
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
@@ -35,11 +34,11 @@ from torch.distributed.constants import default_pg_timeout
 from project.errors import UserError
 from project.strategies import parallelize
 from project.strategies import pipeline_stages as st
-from project.strategies.ddp import DDPStrategy
 from project.strategies.parallelize import Blocks
+from project.strategies.pipeline_checkpoints import OneCheckpointFile
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(OneCheckpointFile):
     """One pipeline stage per process (`stages_per_rank` with interleaved_1f1b). With `data_parallel=D` the
     processes form a (stages x D) mesh: D pipelines on different batches, their gradients averaged."""
 
@@ -68,12 +67,10 @@ class PipelineStrategy(DDPStrategy):
         self.schedule, self.micro_batches, self.data_parallel = schedule, micro_batches, data_parallel
         self.balance: str | list[int] = balance if isinstance(balance, str) else [int(n) for n in balance]
         self.stages_per_rank = stages_per_rank if schedule == "interleaved_1f1b" else 1
-        self.pp_group: Any = None  # this rank's pipeline
+        self.pp_group = None  # this rank's pipeline
         self.dp_group: Any = None  # the ranks that hold the same stages
         self.stage_modules: list[nn.Sequential] | None = None  # this rank's stages, made by parallelize()
-        self._foreign: set[str] = set()  # state_dict keys that other stages hold
-        self._order: list[str] = []  # state_dict keys of the unsplit model, in order
-        self._param_order: list[str] = []
+        self._foreign, self._order, self._param_order = set(), [], []  # see OneCheckpointFile
         self._runs: dict[tuple, st.Run] = {}
         self._metrics: dict[str, Any] = {}
         self._stash: list[tuple[nn.Parameter, Tensor | None]] = []
@@ -364,54 +361,6 @@ class PipelineStrategy(DDPStrategy):
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return super().all_gather(tensor, group if group is not None else self.dp_group, sync_grads)
-
-    # ------------------------------------------------------------ checkpoints: one ordinary file on rank 0
-
-    def _gather_on_zero(self, obj: Any) -> list[Any] | None:
-        """Every stage's `obj` on rank 0 (the stages of the first pipeline take part), None elsewhere."""
-        if self.global_rank % self.data_parallel:
-            return None
-        parts: list[Any] | None = [None] * self.pp_size if self.is_global_zero else None
-        dist.gather_object(obj, parts, dst=0, group=self.pp_group)
-        return parts
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        module = self.lightning_module
-        assert module is not None
-        parts = self._gather_on_zero(st.to_cpu(module.state_dict()))
-        return st.merge_state_dicts(parts, self._order) if parts and self.is_global_zero else {}
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        parts = self._gather_on_zero((self._layout(optimizer), st.to_cpu(optimizer.state_dict())))
-        return st.merge_optimizer_states(parts, self._param_order) if parts and self.is_global_zero else {}
-
-    def _layout(self, optimizer: torch.optim.Optimizer) -> st.Layout:
-        module = self.lightning_module
-        assert module is not None
-        return st.layout(optimizer, {id(p): n for n, p in module.named_parameters()})
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if Path(checkpoint_path).is_dir():
-            raise UserError(
-                f"ckpt_path={checkpoint_path} is a directory of shards (strategy=fsdp): trainer=pipeline reads the "
-                "ordinary .ckpt files that one device, ddp and pipeline write"
-            )
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k not in self._foreign}, strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
-            mine = self._layout(optimizer)
-            parts: list[Any] = [None] * self.pp_size
-            dist.all_gather_object(parts, mine, group=self.pp_group)
-            full = st.global_layout(parts, self._param_order)
-            optimizer.load_state_dict(st.split_optimizer_state(saved, full, mine))
-            _optimizer_to_device(optimizer, self.root_device)
 
 
 def _average(grads: list[Tensor], group: Any, size: int) -> None:

@@ -1,12 +1,11 @@
 """The parts of `trainer=pipeline` (project.strategies.pipeline) that need no process group, testable in one
 process: what a stage holds and what the pipeline refuses; how a batch is cut into micro-batches and which
 schedule runs it; how the last stage runs the user's step and what it sends the other stages so that they log
-the same; and how the stages' parts of a checkpoint become the one ordinary file one device writes, and back.
+the same. How the stages' parts of a checkpoint become one file: project.strategies.pipeline_checkpoints.
 """
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import torch
@@ -300,72 +299,3 @@ def replay(module: Any, payload: Payload, found: dict[str, Metric], device: torc
         import_states(found, payload["states"], device)
     for name, kind, value, kwargs in payload["records"]:
         module.log(name, found[value] if kind == "metric" else value.to(device), **kwargs)
-
-
-# ---------------------------------------------------------------- checkpoints: one ordinary file
-
-Layout = list[list[str]]  # per param group, the names of its parameters in the group's order
-
-
-def layout(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Layout:
-    """Which parameter each index of `optimizer.state_dict()` stands for (indices run over the groups in order)."""
-    try:
-        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    except KeyError as e:
-        raise UserError(
-            "trainer=pipeline: the optimizer holds a parameter that is not the LightningModule's; configure_optimizers "
-            "must optimize self.parameters() (each stage holds only its own)"
-        ) from e
-
-
-def global_layout(parts: Sequence[Layout], order: Sequence[str]) -> Layout:
-    """The layout one device would have: each group's parameters from every stage, in the model's order."""
-    rank = {name: i for i, name in enumerate(order)}
-    counts = {len(p) for p in parts}
-    if len(counts) != 1:
-        raise UserError(f"trainer=pipeline: the stages' optimizers have different numbers of param groups: {counts}")
-    return [sorted(chain.from_iterable(p[g] for p in parts), key=rank.__getitem__) for g in range(len(parts[0]))]
-
-
-def merge_optimizer_states(parts: Sequence[tuple[Layout, dict]], order: Sequence[str]) -> dict:
-    """One optimizer state_dict, as one device would save it, from each stage's (layout, state_dict)."""
-    full = global_layout([lay for lay, _ in parts], order)
-    index = {name: i for i, name in enumerate(chain.from_iterable(full))}
-    state: dict[int, Any] = {}
-    for lay, sd in parts:
-        local = list(chain.from_iterable(lay))
-        state.update({index[local[i]]: value for i, value in sd["state"].items()})
-    first = parts[0][1]["param_groups"]
-    groups = [
-        {**{k: v for k, v in first[g].items() if k != "params"}, "params": [index[n] for n in full[g]]}
-        for g in range(len(full))
-    ]
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def split_optimizer_state(saved: dict, full: Layout, mine: Layout) -> dict:
-    """This stage's part of a one-device optimizer state_dict (from a pipeline checkpoint or from one device)."""
-    groups = saved.get("param_groups", [])
-    if len(groups) != len(full) or any(len(g["params"]) != len(names) for g, names in zip(groups, full)):
-        raise UserError(
-            "the checkpoint's optimizer state does not fit this model's optimizer (other parameters or param groups)"
-        )
-    names = {i: name for g, group in enumerate(groups) for i, name in zip(group["params"], full[g])}
-    local = {name: i for i, name in enumerate(chain.from_iterable(mine))}
-    state = {local[names[i]]: value for i, value in saved["state"].items() if names[i] in local}
-    param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [local[n] for n in mine[g]]}
-        for g, group in enumerate(groups)
-    ]
-    return {"state": state, "param_groups": param_groups}
-
-
-def merge_state_dicts(parts: Sequence[dict[str, Any]], order: Sequence[str]) -> dict[str, Any]:
-    """The stages' state_dicts as one, in the key order of the unsplit model. Keys outside the net (metric
-    states, buffers) are on every stage and equal; the first stage's copy is kept."""
-    merged: dict[str, Any] = {}
-    for part in parts:
-        for key, value in part.items():
-            merged.setdefault(key, value)
-    rank = {key: i for i, key in enumerate(order)}
-    return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))
