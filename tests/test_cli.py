@@ -47,7 +47,11 @@ BAD_INPUTS = [
         ["trainer.num_nodes=2", "trainer.accelerator=cpu"],
         "trainer.num_nodes=2 without torchrun or srun: set MASTER_ADDR, MASTER_PORT, NODE_RANK on every node",
     ),
-    ("train.py", ["model.scheduler.T_max=0"], "model.scheduler: ZeroDivisionError"),
+    (
+        "train.py",
+        ["model.scheduler.T_max=0"],
+        "model.scheduler: its first step fails with T_max=0 (ZeroDivisionError: integer modulo by zero)",
+    ),
     ("train.py", ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0: must be at least 1"),
     ("train.py", ["model.compile=nonsense"], "compile='nonsense' is not a torch.compile backend"),
     ("train.py", ["model.net.hidden=0"], "model: ValueError: widths must be >= 1"),

@@ -145,14 +145,27 @@ def _check_factories(node: Any, where: str) -> None:
             if trial is not None:
                 try:
                     built = trial(hydra.utils.instantiate(node))
-                    plateau = isinstance(built, torch.optim.lr_scheduler.ReduceLROnPlateau)
-                    if isinstance(built, torch.optim.lr_scheduler.LRScheduler) and not plateau:
-                        optimizer.step()  # no gradients: changes nothing, but comes first as torch expects
-                        built.step()  # T_max=0 divides by zero only here
                 except Exception as e:
                     raise UserError(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}") from e
+                _first_step(built, optimizer, node, where)
     for key, value in node.items_ex(resolve=False):
         _check_factories(value, f"{where}.{key!s}")
+
+
+def _first_step(scheduler: Any, optimizer: Any, node: DictConfig, where: str) -> None:
+    """Step a just-built scheduler once: `T_max=0` divides by zero only there, in torch's words, which name no
+    setting; the error names the config's values."""
+    import torch
+
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # its step needs a metric
+    if plateau or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):  # or it is an optimizer
+        return
+    optimizer.step()  # no gradients: changes nothing, but comes first as torch expects
+    try:
+        scheduler.step()
+    except Exception as e:
+        values = ", ".join(f"{k!s}={v}" for k, v in node.items() if not str(k).startswith("_"))
+        raise UserError(f"{where}: its first step fails with {values} ({type(e).__name__}: {e}); change them") from e
 
 
 def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
