@@ -245,6 +245,22 @@ def test_resume_continues_at_the_next_epoch_with_the_best_so_far(cli, tmp_path, 
     assert json.loads((run / "fit_metrics.json").read_text())["val/acc_best"] == pytest.approx(0.9999)
 
 
+def test_an_epoch_resumed_at_its_end_logs_no_empty_train_metrics(cli, tmp_path):
+    """With validation every 2nd epoch, last.ckpt is saved at validation end, before the epoch's end hooks. A run
+    resumed from it ends that epoch again without a training step: it must not log train/acc 0 and a NaN loss."""
+    args = ["model=mlp", "logger=csv", "trainer.check_val_every_n_epoch=2", "test=false"]
+    cli("train.py", *args, env={"PROJECT_PROFILE": "tiny"})  # 2 epochs
+    (first,) = run_dirs(tmp_path / "logs")
+    resume = [f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}", "trainer.max_epochs=4", "stretch_schedule=true"]
+    proc = cli("train.py", *args, *resume, env={"PROJECT_PROFILE": "tiny"})
+    (resumed,) = [run for run in run_dirs(tmp_path / "logs") if run != first]
+    with open(resumed / "csv" / "metrics.csv") as f:
+        logged = [row for row in csv.DictReader(f) if row["train/acc"]]
+    assert {int(row["epoch"]) for row in logged} == {2, 3}
+    assert all(0 < float(row["train/loss_epoch"]) < 10 for row in logged)
+    assert "was called before the ``update`` method" not in proc.stderr
+
+
 def test_resuming_with_another_network_is_refused_by_name(cli, tmp_path, trained):
     proc = cli("train.py", f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", "model=mlp", check=False)
     assert proc.returncode == 2

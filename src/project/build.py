@@ -164,8 +164,9 @@ def _first_step(scheduler: Any, optimizer: Any, node: DictConfig, where: str) ->
     try:
         scheduler.step()
     except Exception as e:
-        values = ", ".join(f"{k!s}={v}" for k, v in node.items() if not str(k).startswith("_"))
-        raise UserError(f"{where}: its first step fails with {values} ({type(e).__name__}: {e}); change them") from e
+        values = ", ".join(f"{k!s}={v}" for k, v in node.items() if not str(k).startswith("_"))  # resolved: built fine
+        failure = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise UserError(f"{where}: its first step fails with {values} ({failure}); change them") from e
 
 
 def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:

@@ -83,8 +83,10 @@ class ImageClassifier(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         # Logged as metric objects: Lightning computes them (synced over ranks) and resets them for the next epoch.
-        self.log("train/loss_epoch", self.train_loss, prog_bar=True)
-        self.log("train/acc", self.train_acc, prog_bar=True)
+        # An epoch without training steps (resumed from a checkpoint saved at its end) logs nothing, not NaN.
+        if self.train_loss.update_count:  # the same on every rank: equal shards
+            self.log("train/loss_epoch", self.train_loss, prog_bar=True)
+            self.log("train/acc", self.train_acc, prog_bar=True)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss, preds, y = self._shared_step(batch)

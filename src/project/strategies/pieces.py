@@ -132,25 +132,27 @@ def log_once(
             metric = module.get_submodule(path)
             piece_metrics = [m for m in (piece.get_submodule(path) for piece in pieces) if isinstance(m, Metric)]
             if id(metric) not in combined and any(m._update_count for m in piece_metrics):
-                combine_metric(metric, piece_metrics, root)
+                combine_metric(metric, piece_metrics, root, step_value=False)
                 combined.add(id(metric))
 
 
-def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device) -> None:
+def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device, step_value: bool = True) -> None:
     """Add the replicas' states into the root metric, and set its step value to the whole batch's.
 
     States are combined through their own reductions (`_reduce_states`), as Metric.forward and DDP's
     metric sync do: exact for sums, counts, maxima and concatenations, whatever `full_state_update` says.
     """
-    step = metric.clone()
-    step.reset()
+    step = metric.clone() if step_value else None  # the whole batch's value, for on_step=True logging
+    if step is not None:
+        step.reset()
     for replica in replica_metrics:
         state = {k: to_device(v, root) for k, v in replica.metric_state.items()}
-        for target in (metric, step):
+        for target in (metric, step) if step is not None else (metric,):
             target._update_count += replica._update_count  # first: mean-reduced states divide by it
             target._reduce_states(state)
     metric._computed = None
-    metric._forward_cache = step.compute()  # what Lightning logs for on_step=True
+    if step is not None:
+        metric._forward_cache = step.compute()
 
 
 def reduce_values(values: list[Any], sizes: list[int], reduce_fx: Any, root: torch.device) -> Tensor:
