@@ -33,23 +33,29 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def workloads() -> dict[str, dict[str, Any]]:
-    """The template's ResNet-18 (small-image stem: stride 1, no max-pool) cut after layer2, batch 64 of 3x32x32
-    colour images, and its MLP made wide enough that a step is compute, not Python: 784 -> 4 x 1024 -> 10,
-    batch 1024."""
-    resnet = ResNet18(in_channels=3)
-    cut = [name for name, _ in parallelize.blocks(resnet)].index("layer3.0")
-    found = parallelize.blocks(resnet)
+    """torchvision's ResNet-18 cut before layer3, as the model-parallel tutorial cuts ResNet-50 (conv1..layer2 |
+    layer3..fc), batch 32 of 3x160x160; the template's ResNet-18 (small-image stem: stride 1, no max-pool) cut the
+    same way, batch 64 of 3x32x32; and the template's MLP made wide enough that a step is compute, not Python:
+    784 -> 4 x 1024 -> 10, batch 1024, cut by parameter count."""
+    import torchvision
+
     return {
+        "torchvision_resnet18": {
+            "net": torchvision.models.resnet18(num_classes=10),
+            "input": torch.randn(32, 3, 160, 160),
+            "split_points": ["layer3"],
+            "cut": "before layer3",
+        },
         "resnet18": {
-            "net": resnet,
+            "net": ResNet18(in_channels=3),
             "input": torch.randn(64, 3, 32, 32),
-            "balance": [cut, len(found) - cut],
-            "cut": "after layer2",
+            "split_points": ["layer3"],
+            "cut": "before layer3",
         },
         "mlp": {
             "net": MLP(hidden=(1024, 1024, 1024, 1024)),
             "input": torch.randn(1024, 1, 28, 28),
-            "balance": "params",
+            "split_points": None,
             "cut": "by parameter count",
         },
     }
@@ -58,15 +64,13 @@ def workloads() -> dict[str, dict[str, Any]]:
 class Stepper:
     """One configuration: a forward and backward of the whole batch, timed."""
 
-    def __init__(self, net: nn.Module, x: torch.Tensor, stages: int, micro_batches: int, balance: Any) -> None:
+    def __init__(self, net: nn.Module, x: torch.Tensor, stages: int, micro_batches: int, split_points: Any) -> None:
         self.net, self.x = net, x
         self.targets = torch.randint(0, 10, (len(x),))
         self.strategy: PipeStrategy | None = None
         if stages > 1:
-            strategy = PipeStrategy(micro_batches=micro_batches, balance=balance, threads_per_stage=1)
-            found = parallelize.blocks(net)
-            sizes = parallelize.balance(found, stages, balance)
-            strategy.stage_modules = [nn.Sequential(*(m for _, m in s)) for s in parallelize.stages(found, sizes)]
+            strategy = PipeStrategy(micro_batches=micro_batches, split_points=split_points, threads_per_stage=1)
+            strategy.plan = parallelize.plan_stages(net, stages, split_points)
             strategy.stage_devices = [torch.device("cpu")] * stages
             strategy.parallel_devices = strategy.stage_devices
             strategy._start_workers(net)
@@ -94,7 +98,7 @@ def measure(name: str, spec: dict[str, Any], sweep: list[int], repeats: int, cor
     times: dict[str, list[float]] = {label: [] for label in configs}
     # a copy of the net per configuration, with its stage threads started once: only steps are timed
     steppers = {
-        label: Stepper(copy.deepcopy(spec["net"]), spec["input"], stages, m, spec["balance"])
+        label: Stepper(copy.deepcopy(spec["net"]), spec["input"], stages, m, spec["split_points"])
         for label, (stages, m) in configs.items()
     }
     for round_ in range(repeats + 2):  # two warm-up rounds

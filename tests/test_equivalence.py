@@ -46,18 +46,26 @@ SETUPS = {
 }
 
 
-def train(cli, tmp_path: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+# A net written the way users write it (tests/user_models.py): a stem, repeated residual blocks (fsdp's units), a
+# skip connection, a head; no BatchNorm, whose statistics are per process.
+RESIDUAL = ["~model.net", "+model.net._target_=user_models.ResidualNet"]
+
+
+def train(cli, tmp_path: Path, name: str, *net: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     probe = tmp_path / name
     probe.mkdir()
-    cli("train.py", *COMMON, *SETUPS[name], env={"PROBE_DIR": str(probe)}, cwd=tmp_path / name)
+    cli("train.py", *COMMON, *net, *SETUPS[name], env={"PROBE_DIR": str(probe)}, cwd=tmp_path / name)
     return json.loads((probe / "losses.json").read_text()), torch.load(probe / "weights.pt", weights_only=True)
 
 
-def test_every_strategy_takes_the_same_steps_as_one_device(cli, tmp_path):
-    single_losses, single_weights = train(cli, tmp_path, "single")
+@pytest.mark.parametrize(
+    ("net", "strategies"), [([], ("ddp", "fsdp", "dp")), (RESIDUAL, ("fsdp",))], ids=["mlp", "residual net"]
+)
+def test_every_strategy_takes_the_same_steps_as_one_device(cli, tmp_path, net, strategies):
+    single_losses, single_weights = train(cli, tmp_path, "single", *net)
     assert len(single_losses) == STEPS and single_losses[-1] < single_losses[0]
-    for name in ("ddp", "fsdp", "dp"):
-        losses, weights = train(cli, tmp_path, name)
+    for name in strategies:
+        losses, weights = train(cli, tmp_path, name, *net)
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(single_losses), atol=1e-5, rtol=0, msg=lambda m: f"{name} losses: {m}"
         )

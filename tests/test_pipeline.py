@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 from torchmetrics import MeanMetric
+from user_models import Gated
 
 from project import build
 from project.errors import UserError
@@ -51,12 +52,15 @@ COMMON = [
 PIPELINE = ["trainer=pipeline", "trainer.strategy.schedule=1f1b", "trainer.strategy.micro_batches=4"]
 
 
-def train(out: Path, name: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+def train(
+    out: Path, name: str, *overrides: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python train.py` from a fresh directory out/name, as in tests/conftest.py's cli fixture."""
     cwd = out / name
     cwd.mkdir(parents=True)
     cmd = [sys.executable, str(REPO / "train.py"), *COMMON, *overrides]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=cli_env(PROBE_DIR=str(cwd)))
+    full_env = cli_env(PROBE_DIR=str(cwd), **(env or {}))
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=full_env)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -166,6 +170,36 @@ def test_other_schedules_take_the_same_steps(runs: Path, name: str) -> None:
     assert_same_weights(weights(runs, name), weights(runs, "pipeline"), "final weights")
 
 
+# Nets written the way users write them, cut by name or automatically: each against one device. One intra-op
+# thread in both runs: the ranks get one each on 2 cores, and another thread count sums in another order.
+USER_NETS = {
+    "tutorial_cnn split_points=[conv2]": [  # BatchNorm: exact with one micro-batch
+        "+model.net._target_=user_models.TutorialCNN",
+        "trainer.strategy.split_points=[conv2]",
+        "trainer.strategy.micro_batches=1",
+    ],
+    "residual net, cut chosen": ["+model.net._target_=user_models.ResidualNet"],  # a skip over the cut
+    "torchvision resnet18 split_points=[layer3]": [
+        "+model.net._target_=torchvision.models.resnet18",
+        "+model.net.num_classes=10",
+        "data.channels=3",
+        "trainer.strategy.split_points=[layer3]",
+        "trainer.strategy.micro_batches=1",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", USER_NETS)
+def test_nets_written_as_users_write_them_take_the_same_steps_as_one_device(tmp_path: Path, name: str) -> None:
+    net = [o for o in USER_NETS[name] if not o.startswith("trainer.")]
+    env = {"OMP_NUM_THREADS": "1"}
+    train(tmp_path, "one_device", "~model.net", *net, "trainer.max_epochs=1", env=env)
+    train(tmp_path, "pipeline", "~model.net", *USER_NETS[name], *PIPELINE[:2], "trainer.max_epochs=1", env=env)
+    assert_close(probe(tmp_path, "pipeline")["losses"], probe(tmp_path, "one_device")["losses"], "losses per batch")
+    assert_same_weights(weights(tmp_path, "pipeline"), weights(tmp_path, "one_device"), "final weights")
+
+
 @pytest.mark.slow
 def test_ranks_with_batches_of_different_shapes_fail_at_once_with_one_error_each(tmp_path: Path) -> None:
     proc = train(tmp_path, "skewed", *PIPELINE, "data._target_=pipeline_probes.SkewedDigits", check=False)
@@ -243,8 +277,8 @@ def test_refusals_name_the_fix() -> None:
         strategy.connect(module)
         strategy.parallelize(net)
 
-    with pytest.raises(UserError, match="nn.Sequential"):
-        cut(nn.Module())
+    with pytest.raises(UserError, match="cannot cut Gated into stages: torch.fx cannot trace Gated.forward"):
+        cut(Gated())
     with pytest.raises(UserError, match="8 stages .* for a net of 6 blocks"):
         cut(MLP(), world=8)
     with pytest.raises(UserError, match="lower trainer.strategy.stages_per_rank"):
@@ -253,14 +287,12 @@ def test_refusals_name_the_fix() -> None:
         cut(MLP(), schedule="interleaved_1f1b")  # by parameters: rank 0 would get Flatten and a ReLU
 
     module = classifier()
-    with pytest.raises(UserError, match="parallelize"):
-        st.refuse(module, parallelized=False)
     module.net.compile()  # compiles lazily: nothing runs here
     with pytest.raises(UserError, match="model.compile=false"):
-        st.refuse(module, parallelized=True)
+        st.refuse(module)
     module, module.automatic_optimization = classifier(), False
     with pytest.raises(UserError, match="automatic optimization"):
-        st.refuse(module, parallelized=True)
+        st.refuse(module)
 
 
 def test_optimizer_states_split_by_stage_and_merge_back_to_one_devices() -> None:

@@ -35,7 +35,8 @@ def read_mnist_5k() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DigitsDataModule(TensorDataModule):
-    """Real 28x28 MNIST digits, 500 per class; split into train/val/test by a fixed seed.
+    """Real 28x28 MNIST digits, 500 per class; split into train/val/test by a fixed seed. `channels=3` repeats
+    each grey digit in three channels, for nets made for colour images (torchvision's factories).
 
     The file is sorted by class, so the split shuffles first. `split_seed` is separate from the
     run's `seed`, so the test set stays the same across seeds and sweeps.
@@ -49,11 +50,14 @@ class DigitsDataModule(TensorDataModule):
         split_seed: int = 0,
         on_device: bool = True,
         shuffle: bool = True,
+        channels: int = 1,
     ) -> None:
         super().__init__(batch_size=batch_size, on_device=on_device, shuffle=shuffle)
         if val_size < 1 or test_size < 1 or val_size + test_size >= 5000:
             raise ValueError(f"val_size + test_size must leave training digits out of 5000, got {val_size}+{test_size}")
-        self.val_size, self.test_size, self.split_seed = val_size, test_size, split_seed
+        if channels not in (1, 3):
+            raise ValueError(f"channels={channels}: 1 (grey) or 3 (the grey digit in each of R, G, B)")
+        self.val_size, self.test_size, self.split_seed, self.channels = val_size, test_size, split_seed, channels
 
     def prepare_data(self) -> None:
         mnist_5k_path()  # nothing to download: fail early, on rank 0, if the package is missing
@@ -61,6 +65,8 @@ class DigitsDataModule(TensorDataModule):
     def load_splits(self) -> dict[str, TensorDataset]:
         images, labels = read_mnist_5k()
         images = normalize(images, MNIST_MEAN, MNIST_STD)
+        if self.channels == 3:  # for nets made for colour images (torchvision's): the same digit three times
+            images = images.expand(-1, 3, -1, -1).contiguous()
         sizes = [len(labels) - self.val_size - self.test_size, self.val_size, self.test_size]
         return {
             name: TensorDataset(images[idx], labels[idx])

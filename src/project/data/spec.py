@@ -34,8 +34,8 @@ class InputSpec:
             raise ValueError(f"std={list(self.std)}: must be positive")
 
 
-def _mnist_shaped(mean: float, std: float) -> InputSpec:
-    return InputSpec(channels=1, height=28, width=28, mean=(mean,), std=(std,))
+def _mnist_shaped(mean: float, std: float, channels: int = 1) -> InputSpec:
+    return InputSpec(channels=channels, height=28, width=28, mean=(mean,) * channels, std=(std,) * channels)
 
 
 def _builtin(target: str, data: dict[str, Any]) -> InputSpec | None:
@@ -43,7 +43,10 @@ def _builtin(target: str, data: dict[str, Any]) -> InputSpec | None:
     if target == "project.data.digits.DigitsDataModule":
         from project.data.digits import MNIST_MEAN, MNIST_STD
 
-        return _mnist_shaped(MNIST_MEAN, MNIST_STD)
+        channels = data.get("channels", 1)
+        if channels not in (1, 3):
+            raise UserError(f"data.channels={channels!r}: the digits are grey (1) or grey in three channels (3)")
+        return _mnist_shaped(MNIST_MEAN, MNIST_STD, channels)
     if target == "project.data.mnist.MNISTDataModule":
         from project.data.mnist import STATS
 

@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from project.strategies.one_process import OneProcessStrategy
 from project.strategies.pieces import PieceStep, combine, first_tensor, log_once
@@ -47,19 +48,12 @@ def cuda_ops() -> ReplicaOps:
 
 
 def _split(obj: Any, n: int) -> list[Any]:
-    """Like torch's scatter: tensors chunked along dim 0, containers split element-wise, anything else copied."""
-    if isinstance(obj, Tensor):
-        return list(torch.chunk(obj, n))
-    if isinstance(obj, tuple) and obj:
-        chunks = zip(*(_split(o, n) for o in obj))
-        if hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
-            return [type(obj)(*parts) for parts in chunks]
-        return [type(obj)(parts) for parts in chunks]
-    if isinstance(obj, list) and obj:
-        return [list(parts) for parts in zip(*(_split(o, n) for o in obj))]
-    if isinstance(obj, dict) and obj:
-        return [type(obj)(zip(obj.keys(), parts)) for parts in zip(*(_split(v, n) for v in obj.values()))]
-    return [obj] * n
+    """Like torch's scatter, on the CPU: every tensor chunked along dim 0, wherever it sits in the batch's
+    collections, anything else copied to each piece."""
+    leaves, spec = tree_flatten(obj)
+    chunks = [list(torch.chunk(leaf, n)) if isinstance(leaf, Tensor) else [leaf] * n for leaf in leaves]
+    pieces = min((len(c) for c in chunks), default=n)
+    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(pieces)]
 
 
 def _replicate_sharing_parameters(network: nn.Module, n: int) -> list[nn.Module]:

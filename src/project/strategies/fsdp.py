@@ -3,8 +3,9 @@
 Each process keeps 1/N of every parameter, gradient and optimizer state; a layer's full weights are
 gathered only while it computes. Lightning's own "fsdp" (FSDPStrategy) wraps FSDP1, which PyTorch is
 retiring, and refuses CPU; FSDP2 runs the same code on CUDA (NCCL) and CPU (gloo), so the CPU tests
-cover the GPU path. The model opts in: ImageClassifier.configure_model shards the net when the
-strategy hands it a device mesh.
+cover the GPU path. What is one FSDP unit is project.strategies.parallelize's policy (`units=[...]` from config, the
+net's repeated block class otherwise); a LightningModule that does not shard its modules in configure_model
+gets that policy applied by the strategy.
 
 Checkpoints are directories of shards (torch.distributed.checkpoint) by default, written by all ranks
 in parallel and loadable at another world size; `save_distributed_checkpoint=false` gathers one
@@ -22,8 +23,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from project.launch.ranks import RankWatchingLauncher
 from project.runs.atomic_io import fsync_dir
-from project.strategies import rendezvous
-from project.strategies.parallelize import fully_shard_blocks
+from project.strategies import parallelize, rendezvous
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -33,6 +33,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
+        units: list[str] | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -44,6 +45,7 @@ class FSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self.units = [str(u) for u in units] if units else None
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's "auto" makes the mesh nodes x devices (devices for tensor parallelism);
@@ -78,8 +80,31 @@ class FSDPStrategy(ModelParallelStrategy):
         self._launcher = RankWatchingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def parallelize(self, net: Any) -> None:
-        """Called by the LightningModule's configure_model: shard `net` over this strategy's mesh."""
-        fully_shard_blocks(net, self.device_mesh["data_parallel"])
+        """Shard `net` over this strategy's mesh: called by a LightningModule's configure_model that hands its net
+        over (ImageClassifier does, to compile after sharding), else by setup. Idempotent."""
+        assert self.lightning_module is not None
+        parallelize.shard(self.lightning_module, net, self.device_mesh["data_parallel"], self.units)
+
+    def setup(self, trainer: Any) -> None:
+        """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of
+        Lightning's demand that every LightningModule override configure_model."""
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        module = self.lightning_module
+        assert self.model is not None and self.accelerator is not None and module is not None
+        self.accelerator.setup(trainer)
+        self.parallelize(parallelize.net_of(module))
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()  # move all remaining layers if any left on CPU.
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     def _setup_distributed(self) -> None:
         # ModelParallelStrategy's own, with our rendezvous in place of _init_dist_connection

@@ -6,32 +6,23 @@ into the trainer's one result store), and then logged once: plain values reduced
 weighted by piece size), torchmetrics objects merged into the module's own metric (their states add up exactly).
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torchmetrics import Metric
 
 Record = tuple[str, Any, dict[str, Any]]
 
 
 def first_tensor(obj: Any) -> Tensor | None:
-    if isinstance(obj, Tensor):
-        return obj
-    items = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
-    for item in items:
-        found = first_tensor(item)
-        if found is not None:
-            return found
-    return None
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    """A metric state (a tensor, or a list of them for cat states) on `device`."""
-    return value.to(device) if isinstance(value, Tensor) else [v.to(device) for v in value]
+    """The first tensor anywhere in a batch or step output (torch's pytree walks the collections)."""
+    return next((leaf for leaf in tree_leaves(obj) if isinstance(leaf, Tensor)), None)
 
 
 def fresh_metric_states(module: nn.Module, device: torch.device) -> None:
@@ -77,23 +68,24 @@ class PieceStep(nn.Module):
 
 
 def combine(outputs: list[Any], sizes: list[int], root: torch.device) -> Any:
-    """Scalars: mean weighted by chunk size (the full-batch mean). Batched tensors: concatenated in order."""
-    first = outputs[0]
-    if first is None:
+    """The pieces' step outputs as the whole batch's, leaf by leaf: scalars (tensors or numbers) as their mean
+    weighted by piece size, batched tensors concatenated in order, anything else the first piece's."""
+    total = sum(sizes)
+
+    def merge(*parts: Any) -> Any:
+        first = parts[0]
+        if isinstance(first, Tensor):
+            if first.dim() == 0:
+                return sum(p.to(root) * (n / total) for p, n in zip(parts, sizes))
+            return torch.cat([p.to(root) for p in parts])
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return sum(p * n for p, n in zip(parts, sizes)) / total
+        return first
+
+    if outputs[0] is None:
         return None
-    if isinstance(first, Tensor):
-        if first.dim() == 0:
-            total = sum(sizes)
-            return sum(o.to(root) * (n / total) for o, n in zip(outputs, sizes))
-        return torch.cat([o.to(root) for o in outputs])
-    if isinstance(first, Mapping):
-        mapping: Any = type(first)
-        return mapping((k, combine([o[k] for o in outputs], sizes, root)) for k in first)
-    if isinstance(first, (list, tuple)):
-        return type(first)(combine(list(parts), sizes, root) for parts in zip(*outputs))
-    if isinstance(first, (int, float)):
-        return sum(o * n for o, n in zip(outputs, sizes)) / sum(sizes)
-    return first
+    flat = [tree_flatten(out) for out in outputs]
+    return tree_unflatten([merge(*leaves) for leaves in zip(*(f[0] for f in flat))], flat[0][1])
 
 
 def log_once(
@@ -146,7 +138,7 @@ def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.de
     if step is not None:
         step.reset()
     for replica in replica_metrics:
-        state = {k: to_device(v, root) for k, v in replica.metric_state.items()}
+        state = move_data_to_device(dict(replica.metric_state), root)
         for target in (metric, step) if step is not None else (metric,):
             target._update_count += replica._update_count  # first: mean-reduced states divide by it
             target._reduce_states(state)

@@ -2,12 +2,14 @@
 
 The classic model-parallel tutorial puts the first half of a net on cuda:0 and the second on cuda:1, then
 splits each batch into micro-batches so that stage 2 works on micro-batch i while stage 1 works on i+1. Here
-that is a strategy: the net (an nn.Sequential, project.strategies.parallelize) is cut into one stage per
-device, and each stage runs in a worker thread of its own, so the devices really work at the same time.
+that is a strategy: the net (any traceable nn.Module, cut before the modules a user names or where the blocks
+balance: project.strategies.parallelize) becomes one stage per device, and each stage runs in a worker thread of
+its own, so the devices really work at the same time.
 
 Forward follows torchgpipe's fill-drain clock (at tick k, stage j runs micro-batch k - j), except that a
 stage starts a micro-batch as soon as the stage before has handed it over, not when the whole tick is over.
-Each stage's input is a detached copy, so the graph ends at every stage boundary; the LightningModule sees the
+Each stage's inputs (every value a later stage needs, skip connections too) are detached copies, so the graph
+ends at every cut; the LightningModule sees the
 whole batch's output (the micro-batches concatenated) and computes its loss as on one device, `self.log` and
 metrics unchanged. Backward runs the same clock in reverse in the workers: Lightning's `loss.backward()` only
 reaches the last stage's outputs, then `backward` here sends each micro-batch's gradient back stage by stage.
@@ -15,6 +17,7 @@ Gradients accumulate over the micro-batches and the optimizer steps once per bat
 single device's (BatchNorm aside: it normalises each micro-batch with that micro-batch's statistics).
 """
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,20 +28,26 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from project.errors import UserError
 from project.strategies import parallelize
 from project.strategies.one_process import OneProcessStrategy
+from project.strategies.split import Split
+
+log = logging.getLogger(__name__)
+
+Values = tuple[Any, ...]  # what crosses a cut: the tensors (and any other values) later stages still need
 
 
 @dataclass
 class _Pass:
     """One forward of the pipelined net, kept until its backward: per stage and micro-batch, the stage's
-    detached input and its output (whose graph ends at that input)."""
+    detached inputs and its outputs (whose graph ends at those inputs)."""
 
-    inputs: list[list[Tensor]] = field(default_factory=list)
-    outputs: list[list[Tensor]] = field(default_factory=list)
-    last: list[Tensor] = field(default_factory=list)  # the last stage's outputs as leaves: the loss's inputs
+    inputs: list[list[Values]] = field(default_factory=list)
+    outputs: list[list[Any]] = field(default_factory=list)
+    last: list[list[Tensor]] = field(default_factory=list)  # the net's outputs as leaves: the loss's inputs
 
 
 def clock(micro_batches: int, stages: int) -> list[list[tuple[int, int]]]:
@@ -49,35 +58,55 @@ def clock(micro_batches: int, stages: int) -> list[list[tuple[int, int]]]:
     ]
 
 
+def _received(value: Any, device: torch.device, needs_grad: bool) -> Any:
+    """A value handed over a cut: a tensor is detached (the graph ends here) and moved to the stage's device;
+    a floating one collects the gradient that goes back over the cut."""
+    if not isinstance(value, Tensor):
+        return value
+    value = value.detach().to(device, non_blocking=True)
+    return value.requires_grad_(True) if needs_grad and value.is_floating_point() else value
+
+
+def _merged(outputs: list[Any]) -> Any:
+    """The micro-batches' outputs as the whole batch's: every tensor concatenated along dim 0."""
+    flat = [tree_flatten(out) for out in outputs]
+    leaves = [
+        torch.cat(parts) if isinstance(parts[0], Tensor) and parts[0].dim() else parts[0]
+        for parts in zip(*(leaves for leaves, _ in flat))
+    ]
+    return tree_unflatten(leaves, flat[0][1])
+
+
 class PipelinedForward:
     """Replaces the net's `forward` while the strategy runs: the same output, computed stage by stage."""
 
-    def __init__(self, strategy: "PipeStrategy") -> None:
-        self.strategy = strategy
+    def __init__(self, strategy: "PipeStrategy", net: nn.Module) -> None:
+        self.strategy, self.net = strategy, net
+        self.calls = 0
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor) -> Any:
         s = self.strategy
+        self.calls += 1
+        stages = s.stages(self.net.training)
         pieces = s.split(x)
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         context = s.step_context
         keep = grad and not inference
-        run = _Pass(inputs=[[] for _ in s.stage_modules], outputs=[[] for _ in s.stage_modules])
+        run = _Pass(inputs=[[] for _ in stages], outputs=[[] for _ in stages])
         done: dict[tuple[int, int], Future] = {}
 
-        def task(j: int, i: int) -> Callable[[], Tensor]:
-            def compute() -> Tensor:
+        def task(j: int, i: int) -> Callable[[], Any]:
+            def compute() -> Any:
                 # waits for the micro-batch from the stage before, which runs in its own thread: no deadlock,
                 # since every worker takes its micro-batches in the order the stage before produces them
-                source = pieces[i] if j == 0 else done[j - 1, i].result()
+                source = (pieces[i],) if j == 0 else done[j - 1, i].result()
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad), context():
-                    inp = source.detach().to(s.stage_devices[j], non_blocking=True)
-                    if keep and j > 0 and inp.is_floating_point():
-                        inp.requires_grad_(True)  # the gradient that goes back to stage j - 1 collects here
-                    # a copy for the stage, which may start with an in-place op (ReLU(inplace=True)) that a
-                    # leaf needing a gradient does not allow
-                    out = s.stage_modules[j](inp.clone() if inp.requires_grad else inp)
+                    inputs = tuple(_received(v, s.stage_devices[j], keep and j > 0) for v in source)
+                    # copies for the stage, which may start with an in-place op (ReLU(inplace=True)) that a leaf
+                    # needing a gradient does not allow
+                    out = stages[j](*(v.clone() if isinstance(v, Tensor) and v.requires_grad else v for v in inputs))
                 if keep:
-                    run.inputs[j].append(inp)
+                    run.inputs[j].append(inputs)
                     run.outputs[j].append(out)
                 return out
 
@@ -85,23 +114,31 @@ class PipelinedForward:
 
         # Queued in the fill-drain clock's order; each task starts as soon as its input is ready, so a stage
         # never waits for a slower stage's unrelated micro-batch (no barrier per clock tick).
-        for tick in clock(len(pieces), len(s.stage_modules)):
+        for tick in clock(len(pieces), len(stages)):
             for j, i in tick:
                 done[j, i] = s.workers[j].submit(task(j, i))
-        held = [[done[j, i].result() for i in range(len(pieces))] for j in range(len(s.stage_modules))]
-        outputs = held[-1]
+        outputs = [done[len(stages) - 1, i].result() for i in range(len(pieces))]
+        for future in done.values():
+            future.result()  # every task finished; a worker's exception is raised here
         if not keep:
-            return torch.cat(outputs)
-        run.last = [out.detach().requires_grad_(True) for out in outputs]
+            return _merged(outputs)
+        leaves = []
+        for out in outputs:
+            flat, spec = tree_flatten(out)
+            mine = [t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.requires_grad else t for t in flat]
+            leaves.append(tree_unflatten(mine, spec))
+            run.last.append([t for t in mine if isinstance(t, Tensor) and t.requires_grad])
         s.pending.append(run)
-        return torch.cat(run.last)
+        return _merged(leaves)
 
 
 class PipeStrategy(OneProcessStrategy):
     """Model parallelism in one process: `trainer.devices` stages, `micro_batches` per batch (1: the plain
     split, one stage busy at a time), or `split_size` rows per micro-batch (the tutorials' knob).
-    `balance`: blocks per stage (`[4, 8]`), or chosen by parameter count (`params`) or by timing (`time`).
-    `threads_per_stage`: intra-op threads of each stage's worker on CPU (default: the cores shared out)."""
+    Where the net is cut: `split_points` (module names, cut before each: `[layer3]`), or `balance` over its
+    blocks: by parameter count (`params`), by timing (`time`), or blocks per stage (`[4, 8]`). `leaves`: class or
+    module names traced as a whole (a module whose forward torch.fx cannot trace). `threads_per_stage`:
+    intra-op threads of each stage's worker on CPU (default: the cores shared out)."""
 
     strategy_name = "pipe"
 
@@ -109,7 +146,9 @@ class PipeStrategy(OneProcessStrategy):
         self,
         micro_batches: int = 4,
         split_size: int | None = None,
+        split_points: Sequence[str] | None = None,
         balance: str | Sequence[int] = "params",
+        leaves: Sequence[str] = (),
         threads_per_stage: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -128,16 +167,23 @@ class PipeStrategy(OneProcessStrategy):
                 f"trainer.strategy: micro_batches={micro_batches}, split_size={split_size}: both must be >= 1"
             )
         self.micro_batches, self.split_size, self.balance = micro_batches, split_size, balance
+        self.split_points = [str(n) for n in split_points] if split_points else None
+        self.leaves = [str(n) for n in leaves]
         self.threads_per_stage = threads_per_stage
-        self.stage_modules: list[nn.Sequential] = []
+        self.plan: Split | None = None
         self.stage_devices: list[torch.device] = []
         self.workers: list[ThreadPoolExecutor] = []
         self.pending: list[_Pass] = []
         self.step_context: Callable[[], AbstractContextManager] = nullcontext
+        self._forward: PipelinedForward | None = None
 
     @property
     def root_device(self) -> torch.device:
         return self.devices[-1]  # the last stage's: the net's output, the loss and the metrics live there
+
+    def stages(self, training: bool) -> list[nn.Module]:
+        assert self.plan is not None, "cut in model_to_device"
+        return list(self.plan.for_mode(training))
 
     def _configure_launcher(self) -> None:
         self._launcher = None
@@ -162,29 +208,35 @@ class PipeStrategy(OneProcessStrategy):
         whole model to one device, which a model that needs several could not survive."""
         module = self.lightning_module
         assert module is not None
-        net = getattr(module, "net", None)
-        if not isinstance(net, nn.Module):
-            raise UserError("strategy=pipe cuts the LightningModule's `net` into stages; this module has none")
-        if not self.stage_modules:
-            found = parallelize.blocks(net)
+        net = parallelize.net_of(module)
+        if self.plan is None:
             sample = getattr(module, "example_input_array", None)
             if isinstance(sample, Tensor):
                 sample = sample.expand(32, *sample.shape[1:]).contiguous()
-            sizes = parallelize.balance(found, len(self.devices), self.balance, sample)
-            self.stage_modules = [nn.Sequential(*(m for _, m in s)) for s in parallelize.stages(found, sizes)]
+            self.plan = parallelize.plan_stages(
+                net,
+                len(self.devices),
+                self.split_points,
+                self.balance,
+                sample if isinstance(sample, Tensor) else None,
+                self.leaves,
+            )
             self.stage_devices = list(self.devices)
-        for name, child in module.named_children():
-            if child is not net:
-                child.to(self.root_device)
-        for stage, device in zip(self.stage_modules, self.stage_devices):
-            stage.to(device)
+            log.info("strategy=pipe: %s cut into %s", type(net).__name__, parallelize.describe(self.plan))
+        staged: set[int] = set()
+        for stages in (self.plan.train, self.plan.eval):
+            for stage, device in zip(stages, self.stage_devices):
+                stage.to(device)
+                staged |= {id(t) for t in (*stage.parameters(), *stage.buffers())}
+        _place_rest(module, staged, self.root_device)
         self._start_workers(net)
 
     def _start_workers(self, net: nn.Module) -> None:
         if self.workers:
             return
+        assert self.plan is not None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = self.threads_per_stage or max(1, cores // len(self.stage_modules))
+        threads = self.threads_per_stage or max(1, cores // len(self.plan.train))
         on_cpu = self.root_device.type == "cpu"
 
         def share_cores() -> None:
@@ -193,9 +245,10 @@ class PipeStrategy(OneProcessStrategy):
 
         self.workers = [
             ThreadPoolExecutor(1, thread_name_prefix=f"pipe-stage{j}", initializer=share_cores)
-            for j in range(len(self.stage_modules))
+            for j in range(len(self.plan.train))
         ]
-        net.__dict__["forward"] = PipelinedForward(self)  # an instance attribute shadows the class's forward
+        self._forward = PipelinedForward(self, net)
+        net.__dict__["forward"] = self._forward  # an instance attribute shadows the class's forward
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # Lightning's moves every optimizer state to root_device; each state belongs with its parameter's stage
@@ -204,7 +257,15 @@ class PipeStrategy(OneProcessStrategy):
 
     def _step(self, name: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any) -> Any:
         self.step_context = context  # autocast is thread-local: the workers enter it themselves
-        return getattr(super(), name)(*args, **kwargs)
+        calls = self._forward.calls if self._forward is not None else 0
+        result = getattr(super(), name)(*args, **kwargs)
+        if self._forward is not None and self._forward.calls == calls and name == "training_step":
+            module = self.lightning_module
+            raise UserError(
+                f"strategy=pipe: {type(module).__name__}.training_step never called the net's forward, which is "
+                "what runs in stages: compute the output with self(x) (or self.net(x))"
+            )
+        return result
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
@@ -233,25 +294,31 @@ class PipeStrategy(OneProcessStrategy):
         """Each pending forward's gradients, sent back through the stages on the reversed clock."""
         passes, self.pending = self.pending, []
         for run in passes:
-            grads_out = [leaf.grad for leaf in run.last]
-            if all(g is None for g in grads_out):
+            if all(leaf.grad is None for leaves in run.last for leaf in leaves):
                 continue  # this forward's output did not reach the loss
-            last = len(self.stage_modules) - 1
-
+            last = len(run.outputs) - 1
             done: dict[tuple[int, int], Future] = {}
 
-            def task(j: int, i: int) -> Callable[[], Tensor | None]:
-                def compute() -> Tensor | None:
-                    grad = grads_out[i] if j == last else done[j + 1, i].result()  # the stage after's, for mb i
-                    out = run.outputs[j][i]
-                    if grad is None or not out.requires_grad:  # nothing reached it, or a stage without weights
-                        return None
-                    torch.autograd.backward(out, grad.to(out.device))
-                    return run.inputs[j][i].grad if j > 0 else None
+            def task(j: int, i: int) -> Callable[[], None]:
+                def compute() -> None:
+                    if j == last:
+                        outs, grads = tree_flatten(run.outputs[j][i])[0], [leaf.grad for leaf in run.last[i]]
+                        outs = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
+                    else:
+                        done[j + 1, i].result()  # the stage after has put its gradients on its inputs
+                        outs = list(run.outputs[j][i])
+                        grads = [v.grad if isinstance(v, Tensor) else None for v in run.inputs[j + 1][i]]
+                    pairs = [
+                        (o, g)
+                        for o, g in zip(outs, grads)
+                        if isinstance(o, Tensor) and o.requires_grad and g is not None
+                    ]
+                    if pairs:  # nothing reached it, or a stage without weights before it
+                        torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
 
                 return compute
 
-            for tick in clock(len(run.last), len(self.stage_modules)):
+            for tick in clock(len(run.last), len(run.outputs)):
                 # stage K-1-j at tick k takes micro-batch M-1-(k-j): the last stage starts with the last one
                 for j, i in tick:
                     stage, piece = last - j, len(run.last) - 1 - i
@@ -263,7 +330,20 @@ class PipeStrategy(OneProcessStrategy):
         for worker in self.workers:
             worker.shutdown(wait=True)
         self.workers, self.pending = [], []
-        net = getattr(self.lightning_module, "net", None)
-        if isinstance(net, nn.Module):
-            net.__dict__.pop("forward", None)
+        module = self.lightning_module
+        if module is not None:
+            parallelize.net_of(module).__dict__.pop("forward", None)
+        self._forward = None
         super().teardown()
+
+
+def _place_rest(module: nn.Module, staged: set[int], device: torch.device) -> None:
+    """Every tensor of `module` that no stage holds (loss, metrics, unused layers) onto `device`."""
+    for child in module.children():
+        if any(id(t) in staged for t in (*child.parameters(), *child.buffers())):
+            _place_rest(child, staged, device)
+        else:
+            child.to(device)
+    for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        if id(tensor) not in staged:
+            tensor.data = tensor.data.to(device)

@@ -1,9 +1,10 @@
 """`trainer=pipeline`: pipeline parallelism with one process per stage, on torch.distributed.pipelining.
 
-The net (an nn.Sequential of blocks, project.strategies.parallelize) is cut into stages; each process keeps only
-its stage's blocks and runs a schedule (GPipe, 1F1B or interleaved 1F1B) that streams micro-batches through the
-stages: activations forward, gradients backward, between processes. It is our DDPStrategy without the DDP
-wrapper, so it is launched like `ddp` (Lightning's launcher, torchrun, srun); gloo on CPU, NCCL on GPUs.
+The net (any traceable nn.Module, cut where the user names or where its blocks balance:
+project.strategies.parallelize) is cut into stages; each process keeps only its stage's layers and runs a schedule
+(GPipe, 1F1B or interleaved 1F1B) that streams micro-batches through the stages: activations forward, gradients
+backward, between processes. It is our DDPStrategy without the DDP wrapper, so it is launched like `ddp`
+(Lightning's launcher, torchrun, srun); gloo on CPU, NCCL on GPUs.
 
 The LightningModule's steps run unchanged, on the last stage only. In a training schedule, training_step is the
 loss function of each micro-batch, with `self(x)` answering that micro-batch's output; its logs and metric
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -34,8 +36,8 @@ from torch.distributed.constants import default_pg_timeout
 from project.errors import UserError
 from project.strategies import parallelize
 from project.strategies import pipeline_stages as st
-from project.strategies.parallelize import Blocks
 from project.strategies.pipeline_checkpoints import OneCheckpointFile
+from project.strategies.split import Split
 
 
 class PipelineStrategy(OneCheckpointFile):
@@ -48,7 +50,9 @@ class PipelineStrategy(OneCheckpointFile):
         self,
         schedule: str = "1f1b",
         micro_batches: int = 4,
+        split_points: list[str] | None = None,
         balance: str | list[int] = "params",
+        leaves: list[str] | None = None,
         stages_per_rank: int = 2,
         data_parallel: int = 1,
         process_group_backend: str | None = None,
@@ -66,10 +70,12 @@ class PipelineStrategy(OneCheckpointFile):
             )
         self.schedule, self.micro_batches, self.data_parallel = schedule, micro_batches, data_parallel
         self.balance: str | list[int] = balance if isinstance(balance, str) else [int(n) for n in balance]
+        self.split_points = [str(n) for n in split_points] if split_points else None
+        self.leaves = [str(n) for n in leaves or ()]
         self.stages_per_rank = stages_per_rank if schedule == "interleaved_1f1b" else 1
         self.pp_group = None  # this rank's pipeline
         self.dp_group: Any = None  # the ranks that hold the same stages
-        self.stage_modules: list[nn.Sequential] | None = None  # this rank's stages, made by parallelize()
+        self.plan: Split | None = None  # the net's stages (this rank keeps its own), made by parallelize()
         self._foreign, self._order, self._param_order = set(), [], []  # see OneCheckpointFile
         self._runs: dict[tuple, st.Run] = {}
         self._metrics: dict[str, Any] = {}
@@ -135,41 +141,53 @@ class PipelineStrategy(OneCheckpointFile):
 
     # ------------------------------------------------------------ cutting the net
 
+    def stages(self, train: bool) -> list[nn.Module]:
+        """This rank's stages (one, or stages_per_rank with interleaved 1F1B) for training or evaluation."""
+        assert self.plan is not None, "cut in parallelize()"
+        return [self.plan.for_mode(train)[i] for i in self.stage_indices]
+
     def parallelize(self, net: nn.Module) -> None:
-        """Called by the LightningModule's configure_model: keep this rank's stages of `net` and drop the other
-        blocks, so that state_dict holds this stage's keys under the full model's names. Idempotent."""
+        """Cut `net` (called by the LightningModule's configure_model, or by setup for a module that does not) and
+        keep this rank's stages: every other stage's parameters and buffers leave the net, so that state_dict
+        holds this stage's keys under the full model's names. Idempotent."""
         module = self.lightning_module
-        if self.stage_modules is not None or module is None:
+        if self.plan is not None or module is None:
             return
-        found = parallelize.blocks(net)
-        if self.num_stages > len(found):
-            fix = "lower trainer.strategy.stages_per_rank or " if self.stages_per_rank > 1 else ""
-            raise UserError(
-                f"trainer=pipeline: {self.num_stages} stages ({self.pp_size} processes x {self.stages_per_rank}) "
-                f"for a net of {len(found)} blocks; {fix}use at most {len(found) // self.stages_per_rank} processes "
-                "per pipeline (trainer.devices)"
-            )
-        cut = parallelize.stages(found, self._sizes(net, found))
-        st.check_cut(module, net, cut, self.pp_size, self.stages_per_rank)
+        self.plan = self._plan(net)
+        st.check_cut(module, net, self.plan, self.pp_size, self.stages_per_rank)
         self._order, self._param_order = list(module.state_dict()), [n for n, _ in module.named_parameters()]
-        for index, stage in enumerate(cut):
-            if index not in self.stage_indices:
-                for name, _ in stage:
-                    parent, _, leaf = name.rpartition(".")
-                    net.get_submodule(parent)._modules[leaf] = None
-        self.stage_modules = [st.stage_module(cut[i], first=i == 0) for i in self.stage_indices]
+        st.keep_only(net, self.plan, self.stage_indices, first=self.is_first)
         self._foreign = set(self._order) - set(module.state_dict())
         rank_zero_info(
             f"trainer=pipeline: {self.num_stages} stages on {self.pp_size} processes per pipeline, "
-            f"{self.data_parallel} pipeline(s): {[[name for name, _ in stage] for stage in cut]}"
+            f"{self.data_parallel} pipeline(s): {parallelize.describe(self.plan)}"
         )
 
-    def _sizes(self, net: nn.Module, found: Blocks) -> list[int]:
-        """Blocks per stage. With balance=time rank 0 times each block's forward and backward on a micro-batch
-        (example_input_array, else the first validation batch) on its device, and decides for all: timings
-        differ between processes. That runs the whole net once on rank 0's device."""
-        if self.balance != "time":
-            return parallelize.balance(found, self.num_stages, self.balance)
+    def _plan(self, net: nn.Module) -> Split:
+        """The cut: split_points, or blocks balanced by parameters or by hand; with balance=time rank 0 times each
+        block's forward and backward on a micro-batch (example_input_array, else the first validation batch) on
+        its device and decides for all: timings differ between processes. That runs the whole net once there."""
+        if self.num_stages > 1 and self.split_points is None and self.balance == "time":
+            names: list[str] = []
+            if self.is_global_zero:
+                net.to(self.root_device)  # timed where it will run
+                sample = self._sample()
+                micro_batch = sample[: max(1, len(sample) // self.micro_batches)].to(self.root_device)
+                timed = parallelize.plan_stages(net, self.num_stages, None, "time", micro_batch, self.leaves)
+                names = timed.names
+            return parallelize.plan_stages(net, self.num_stages, list(self.broadcast(names)), leaves=self.leaves)
+        try:
+            return parallelize.plan_stages(net, self.num_stages, self.split_points, self.balance, leaves=self.leaves)
+        except UserError as e:
+            if "stages for a net of" not in str(e):
+                raise
+            fix = "lower trainer.strategy.stages_per_rank or " if self.stages_per_rank > 1 else ""
+            raise UserError(
+                f"trainer=pipeline: {self.num_stages} stages ({self.pp_size} processes x {self.stages_per_rank}) "
+                f"for a net of fewer blocks; {fix}use fewer processes per pipeline (trainer.devices): {e}"
+            ) from e
+
+    def _sample(self) -> Tensor:
         module = self.lightning_module
         assert module is not None
         sample = module.example_input_array
@@ -181,14 +199,7 @@ class PipelineStrategy(OneCheckpointFile):
                 "trainer.strategy.balance=time times the blocks on example_input_array or a validation batch, and "
                 "this run has neither: set one, or use balance=params or a list of blocks per stage"
             )
-        sizes = []
-        if self.is_global_zero:
-            net.to(self.root_device)  # timed where it will run
-            micro_batch = sample[: max(1, len(sample) // self.micro_batches)].to(self.root_device)
-            # each block as a stage would run it: parallelize._timed hands it a leaf, which ReLU(inplace) refuses
-            timed: Blocks = [(name, st.stage_module([(name, block)], first=False)) for name, block in found]
-            sizes = parallelize.balance(timed, self.num_stages, "time", micro_batch)
-        return list(self.broadcast(sizes))
+        return sample
 
     # ------------------------------------------------------------ setup
 
@@ -196,7 +207,8 @@ class PipelineStrategy(OneCheckpointFile):
         """DDP's setup without the DDP wrapper: this rank's stages on its device, optimizers over its parameters."""
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
-        st.refuse(module, self.stage_modules is not None)
+        st.refuse(module)
+        self.parallelize(parallelize.net_of(module))  # a module whose configure_model did not hand it over
         self.accelerator.setup(trainer)
         self._layer_sync = None  # SyncBatchNorm syncs over all processes, but they hold different stages
         self.precision_plugin.convert_module(module)
@@ -326,7 +338,7 @@ class PipelineStrategy(OneCheckpointFile):
         if method == "training_step":
             return result if self.is_last else torch.tensor(payload["loss"], device=self.root_device)
         if method == "predict_step":
-            return st.to_device(payload["result"], self.root_device)
+            return move_data_to_device(payload["result"], self.root_device)
         return result
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

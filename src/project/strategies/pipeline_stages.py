@@ -4,24 +4,30 @@ schedule runs it; how the last stage runs the user's step and what it sends the 
 the same. How the stages' parts of a checkpoint become one file: project.strategies.pipeline_checkpoints.
 """
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
 from project.errors import UserError
-from project.strategies.parallelize import Blocks
+from project.strategies.split import Split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # ---------------------------------------------------------------- stages
 
 
-def check_cut(module: nn.Module, net: nn.Module, cut: list[Blocks], pp_size: int, stages_per_rank: int) -> None:
+def _tensors(stages: Sequence[nn.Module]) -> set[int]:
+    return {id(t) for stage in stages for t in (*stage.parameters(), *stage.buffers())}
+
+
+def check_cut(module: nn.Module, net: nn.Module, plan: Split, pp_size: int, stages_per_rank: int) -> None:
     """Refuse a cut that cannot train: parameters outside the net (only the last stage would update them), or a
     process without parameters (its optimizer would have nothing to optimize)."""
     in_net = {id(p) for p in net.parameters()}
@@ -32,37 +38,46 @@ def check_cut(module: nn.Module, net: nn.Module, cut: list[Blocks], pp_size: int
             "only; move them into the net"
         )
     for rank in range(pp_size):
-        blocks = [b for v in range(stages_per_rank) for b in cut[rank + v * pp_size]]
-        if not any(p.numel() for _, block in blocks for p in block.parameters()):
+        mine = [plan.train[rank + v * pp_size] for v in range(stages_per_rank)]
+        if not any(p.numel() for stage in mine for p in stage.parameters()):
+            layers = [str(n.target) for stage in mine for n in stage.graph.nodes if n.op == "call_module"]
             raise UserError(
-                f"trainer=pipeline: pipeline rank {rank} would hold no parameters ({[n for n, _ in blocks]}); "
-                "give it a block with weights: trainer.strategy.balance=[blocks per stage, ...]"
+                f"trainer=pipeline: pipeline rank {rank} would hold no parameters ({layers}); give it a layer with "
+                "weights: trainer.strategy.split_points=[...] or trainer.strategy.balance=[blocks per stage, ...]"
             )
 
 
-class _Copy(nn.Module):
-    """A stage's input from another process is a leaf that requires grad: an in-place first block (ReLU with
-    inplace=True) may not overwrite it, so it gets a copy."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.clone()
-
-
-def stage_module(blocks: Blocks, first: bool) -> nn.Sequential:
-    """A stage's blocks as one module: the net's own blocks, no copy of their weights."""
-    modules = [block for _, block in blocks]
-    if not first and getattr(modules[0], "inplace", False):
-        modules.insert(0, _Copy())
-    return nn.Sequential(*modules)
+def keep_only(net: nn.Module, plan: Split, mine: Sequence[int], first: bool) -> None:
+    """Drop from the net every parameter and buffer that only other ranks' stages use, so that this rank's
+    state_dict holds its own under the full model's names. What no stage uses stays on the first stage."""
+    own = _tensors([s for i in mine for s in (plan.train[i], plan.eval[i])])
+    used = _tensors([*plan.train, *plan.eval])
+    for module in net.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) not in own and (id(tensor) in used or not first):
+                    table[name] = None
 
 
-def refuse(module: Any, parallelized: bool) -> None:
+class _ClonedInputs(nn.Module):
+    """A stage's inputs from another process are leaves that require grad: an in-place first op (ReLU with
+    inplace=True) may not overwrite them, so the stage gets copies."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *values: Any) -> Any:
+        return self.stage(*(v.clone() if isinstance(v, Tensor) and v.requires_grad else v for v in values))
+
+
+def stage_module(stage: nn.Module, first: bool) -> nn.Module:
+    """The module a PipelineStage runs: the stage itself (the net's own layers, no copy of their weights)."""
+    return stage if first else _ClonedInputs(stage)
+
+
+def refuse(module: Any) -> None:
     """What the pipeline cannot run, said on every rank before any communication."""
-    if not parallelized:
-        raise UserError(
-            "trainer=pipeline: the LightningModule must hand its net to trainer.strategy.parallelize(net) in "
-            "configure_model (as project.models.classifier.ImageClassifier does)"
-        )
     if any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()):
         raise UserError(
             "model.compile does not work with trainer=pipeline (each stage runs its own blocks, never the compiled "
@@ -108,17 +123,9 @@ def net_input(batch: Any) -> Tensor:
 
 
 def narrow(obj: Any, start: int, size: int, total: int) -> Any:
-    """Samples [start, start + size) of a batch: every tensor whose first dimension is the batch's, inside
-    tuples, lists and dicts; anything else as it is."""
-    if isinstance(obj, Tensor):
-        return obj.narrow(0, start, size) if obj.dim() and len(obj) == total else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
-        return type(obj)(*(narrow(o, start, size, total) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(narrow(o, start, size, total) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: narrow(v, start, size, total) for k, v in obj.items()}
-    return obj
+    """Samples [start, start + size) of a batch: every tensor whose first dimension is the batch's, wherever it
+    sits in the batch's collections; anything else as it is."""
+    return apply_to_collection(obj, Tensor, lambda t: t.narrow(0, start, size) if t.dim() and len(t) == total else t)
 
 
 @dataclass
@@ -150,8 +157,10 @@ def build_run(strategy: Any, batch_size: int, train: bool, loss_fn: Callable | N
 
     m, kind = micro_batches(batch_size, strategy.micro_batches, strategy.schedule, strategy.pp_size)
     stages: list[Any] = [
-        PipelineStage(module, index, strategy.num_stages, strategy.root_device, group=strategy.pp_group)
-        for index, module in zip(strategy.stage_indices, strategy.stage_modules)
+        PipelineStage(
+            stage_module(stage, index == 0), index, strategy.num_stages, strategy.root_device, group=strategy.pp_group
+        )
+        for index, stage in zip(strategy.stage_indices, strategy.stages(train))
     ]
     if kind == "interleaved_1f1b":
         schedule: Any = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
@@ -223,27 +232,7 @@ def restore(found: dict[str, Metric], saved: Snapshot) -> None:
 
 def to_cpu(value: Any) -> Any:
     """Tensors leave a rank on the CPU: a pickled CUDA tensor would arrive on the sender's device index."""
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
-        return type(value)(*(to_cpu(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
-    return value
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(to_device(v, device) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_device(v, device) for v in value)
-    return value
+    return apply_to_collection(value, Tensor, lambda t: t.detach().cpu())
 
 
 def export_states(found: dict[str, Metric], paths: Iterable[str]) -> dict[str, tuple[dict[str, Any], int, Any]]:
@@ -257,8 +246,12 @@ def import_states(
     for path, (state, count, forward_cache) in states.items():
         metric = found[path]
         for name, value in state.items():
-            object.__setattr__(metric, name, to_device(value, device))
-        metric._update_count, metric._forward_cache, metric._computed = count, to_device(forward_cache, device), None
+            object.__setattr__(metric, name, move_data_to_device(value, device))
+        metric._update_count, metric._forward_cache, metric._computed = (
+            count,
+            move_data_to_device(forward_cache, device),
+            None,
+        )
 
 
 def export_records(records: list[Record], found: dict[str, Metric]) -> list[tuple[str, str, Any, dict[str, Any]]]:

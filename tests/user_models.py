@@ -1,0 +1,89 @@
+"""Models written the way users write them, not the way this template does: every feature is tested with these
+too (README, Add your model). None is an nn.Sequential; none is the template's ImageClassifier net."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class TutorialCNN(nn.Module):
+    """The CNN of PyTorch's classic CIFAR-10 and DataParallel tutorials (layers in __init__, functional ReLU, one
+    pooling layer called twice), sized for 28x28 digits. A BatchNorm layer, as such nets often have."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc1 = nn.Linear(16 * 4 * 4, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.bn(self.conv2(x))))
+        x = torch.flatten(x, 1)  # flatten all dimensions except batch
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x + self.conv2(F.relu(self.conv1(x))))
+
+
+class ResidualNet(nn.Module):
+    """A stem, repeated residual blocks (a skip connection around each), a head; dropout through F.dropout with
+    self.training, so its forward differs between train and eval mode."""
+
+    def __init__(
+        self, in_channels: int = 1, num_classes: int = 10, width: int = 8, depth: int = 3, dropout: float = 0.0
+    ):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, num_classes)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.stem(x))
+        skip = x
+        for block in self.blocks:
+            x = block(x)
+        x = x + skip  # a connection over every block: crosses any cut between them
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return self.head(F.dropout(x, self.dropout, training=self.training))
+
+
+class Gated(nn.Module):
+    """A forward that branches on a tensor's value: torch.fx cannot trace it."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, 4, 3)
+        self.fc = nn.Linear(4, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.conv(x)
+        if x.mean() > 0:
+            x = x.relu()
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class GatedNet(nn.Module):
+    """The untraceable part inside a submodule: `leaves=[Gated]` keeps it whole and the rest is cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 1, 1)
+        self.gated = Gated()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gated(self.stem(x))
