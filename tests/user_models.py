@@ -1,6 +1,7 @@
 """Models written the way users write them, not the way this template does: every feature is tested with these
 too (README, Add your model). None is an nn.Sequential; none is the template's ImageClassifier net."""
 
+import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -87,3 +88,45 @@ class GatedNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.gated(self.stem(x))
+
+
+class LitAutoEncoder(L.LightningModule):
+    """Lightning's own README example, as users copy it: training_step calls the encoder and decoder itself, no
+    validation_step, the optimizer made in configure_optimizers, hyperparameters saved."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder = nn.Sequential(nn.Linear(28 * 28, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, 28 * 28))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.encoder(x.view(x.size(0), -1))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        x = x.view(x.size(0), -1)
+        z = self.encoder(x)
+        x_hat = self.decoder(z)
+        loss = F.mse_loss(x_hat, x)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class KeepsItsNet(L.LightningModule):
+    """What lightning-hydra-template's modules do: save_hyperparameters() with an nn.Module argument."""
+
+    def __init__(self, net: nn.Module, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)

@@ -73,6 +73,8 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     sys.argv = _with_profile(sys.argv)
     # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # said in our words, with the fix, by project.models.contract (it stops the run)
+    warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
     sweeps.remember_entry_script()
     try:
         hydra_main()

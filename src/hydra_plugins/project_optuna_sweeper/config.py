@@ -27,7 +27,7 @@ ERROR_FILE = "error.txt"
 class ProjectOptunaSweeperConf:
     _target_: str = "hydra_plugins.project_optuna_sweeper.optuna_sweeper.ProjectOptunaSweeper"
     _recursive_: bool = False  # sampler and pruner stay configs: the sweeper builds them (and reseeds the sampler)
-    direction: str = MISSING  # maximize | minimize, of the number the task returns: no silent default
+    direction: str = MISSING  # maximize | minimize (or max | min), of the number the task returns: no silent default
     storage: Optional[str] = None  # an Optuna storage URL (sqlite:////abs/path.db); null: in memory, no resume
     study_name: Optional[str] = None  # null: derived from the search, so another search never shares its study
     n_trials: int = 20  # finished trials of the whole study, over all restarts

@@ -43,8 +43,9 @@ class ProjectOptunaSweeper(Sweeper):
         max_failures: Optional[int],
         params: Optional[DictConfig],
     ) -> None:
+        direction = {"max": "maximize", "min": "minimize"}.get(direction, direction)  # monitor.mode's words
         if direction not in ("maximize", "minimize"):
-            raise SweeperConfigError(f"hydra.sweeper.direction={direction}: use maximize or minimize")
+            raise SweeperConfigError(f"hydra.sweeper.direction={direction}: use maximize or minimize (or max, min)")
         for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs)):
             if not isinstance(value, int) or value < 1:
                 raise SweeperConfigError(f"hydra.sweeper.{key}={value}: must be an integer of at least 1")

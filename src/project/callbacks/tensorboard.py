@@ -1,9 +1,10 @@
-"""What a person opens TensorBoard for, beyond the scalars: which digits the model gets wrong, how the classes are
-confused, the net's graph, and (behind a switch) how weights and gradients are distributed.
+"""What a person opens TensorBoard for, beyond the scalars: which digits a classifier gets wrong, how the classes
+are confused, the net's graph, and (behind a switch) how weights and gradients are distributed.
 
-Each epoch costs one extra forward of one validation batch (the sample grid); the confusion matrix is counted
-from the predictions the validation step already made. Everything is written by rank 0 to the first
-TensorBoard logger; without one the callback does nothing.
+The sample grid and the confusion matrix are a classifier's: they are drawn from what its validation_step returns,
+`{"preds": ..., "target": ...}` (ImageClassifier does). A module of another task draws its own figures (the
+autoencoder logs its reconstructions); the log says once that these two are not drawn for it. Everything is
+written by rank 0 to the first TensorBoard logger; without one the callback does nothing.
 """
 
 import logging
@@ -15,6 +16,8 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
+
+from project.strategies.parallelize import net_of
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class TensorBoardInsights(L.Callback):
         self._graph_done = False
         self._painter: ThreadPoolExecutor | None = None  # made on first use: a callback must pickle (ddp_spawn)
         self._drawing: list[Future] = []
+        self._said = False  # that a module of another task gets no classifier figures: said once
 
     def _finish_drawing(self) -> None:
         drawing, self._drawing = self._drawing, []
@@ -83,7 +87,16 @@ class TensorBoardInsights(L.Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if not self._due(trainer) or not isinstance(outputs, dict) or "preds" not in outputs:
+        if not isinstance(outputs, dict) or "preds" not in outputs or "target" not in outputs:
+            if not self._said and trainer.is_global_zero and (self.images or self.confusion_matrix):
+                log.info(
+                    "TensorBoard: no sample grid or confusion matrix for %s: its validation_step returns no "
+                    "{'preds': ..., 'target': ...} (a classifier's); it may log figures of its own (README)",
+                    type(pl_module).__name__,
+                )
+            self._said = True
+            return
+        if not self._due(trainer):
             return
         preds, target = outputs["preds"].detach(), outputs["target"].detach()
         if self.confusion_matrix:
@@ -138,8 +151,8 @@ class TensorBoardInsights(L.Callback):
             return
         self._graph_done = True
         writer = _writer(trainer)
-        net = getattr(pl_module, "net", None)
-        if writer is None or net is None:
+        net = net_of(pl_module)
+        if writer is None:
             return
         if not _one_process(trainer):
             log.info("TensorBoard graph: drawn for one-device runs only (tracing needs the whole net in one process)")
@@ -149,7 +162,7 @@ class TensorBoardInsights(L.Callback):
         try:
             with warnings.catch_warnings():  # torch.jit.trace is deprecated in favour of export, but TensorBoard's
                 warnings.simplefilter("ignore", FutureWarning)  # graph is drawn from it; nothing a user can change
-                writer.add_graph(net, batch[0][:2])
+                writer.add_graph(net, batch[0][:2] if isinstance(batch, (tuple, list)) else batch[:2])
         except Exception as e:  # a net that cannot be traced still trains; say why it has no graph
             log.warning(f"TensorBoard graph: {type(e).__name__}: {e}")
         finally:

@@ -40,6 +40,17 @@ class LaunchConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """The metric that judges a run: best checkpoint, early stopping, sweeps, Optuna, the plateau scheduler."""
+
+    metric: str = "val/acc"  # logged by the module in validation
+    mode: str = "max"  # max: higher is better; min: lower is better
+
+
+MONITOR_MODES = ("max", "min")
+
+
+@dataclass
 class RunConfig:
     """What every entry point's config has."""
 
@@ -49,6 +60,9 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     float32_matmul_precision: str = "high"
     paths: PathsConfig = field(default_factory=PathsConfig)
+    # packages of yours whose classes a checkpoint may name, besides this project's, torch.nn, torch.optim and
+    # torchvision.models (project.runs.checkpoints): a checkpoint may come from someone else
+    trusted_packages: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -58,7 +72,8 @@ class TrainConfig(RunConfig):
     test: bool = True
     ckpt_path: Optional[str] = None
     stretch_schedule: bool = False
-    optimized_metric: Optional[str] = None
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    optimized_metric: Optional[str] = None  # None: the best value of monitor.metric
     data: Any = MISSING
     model: Any = MISSING
     callbacks: Any = field(default_factory=dict)
@@ -133,5 +148,11 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(
             f"float32_matmul_precision={cfg.float32_matmul_precision}: one of {', '.join(MATMUL_PRECISIONS)}"
         )
+    monitor = cfg.get("monitor")
+    if monitor is not None and monitor.mode not in MONITOR_MODES:
+        raise UserError(f"monitor.mode={monitor.mode}: max (higher is better) or min (lower is better)")
+    for package in cfg.get("trusted_packages") or []:
+        if not all(part.isidentifier() for part in str(package).split(".")):
+            raise UserError(f"trusted_packages: {package!r} is not a package name (letters, digits, _ and dots)")
     if cfg.launch.rendezvous_timeout_s <= 0:
         raise UserError(f"launch.rendezvous_timeout_s={cfg.launch.rendezvous_timeout_s}: must be a positive number")

@@ -42,6 +42,8 @@ class DigitsDataModule(TensorDataModule):
     run's `seed`, so the test set stays the same across seeds and sweeps.
     """
 
+    num_classes = 10  # digits 0-9
+
     def __init__(
         self,
         batch_size: int = 64,

@@ -100,6 +100,7 @@ class ImageFolderDataModule(TensorDataModule):
         )
         self.given = [name for name in SPLITS if (self.root / name).is_dir()] if (self.root / "train").is_dir() else []
         self.classes = class_folders(self.root / "train" if self.given else self.root)
+        self.num_classes = len(self.classes)
         if len(self.classes) < 2:
             raise ValueError(f"root={root}: {len(self.classes)} class subfolders; a classifier needs at least 2")
         if num_classes is not None and num_classes != len(self.classes):

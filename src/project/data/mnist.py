@@ -26,6 +26,8 @@ class MNISTDataModule(TensorDataModule):
     The last `val_size` of a seeded shuffle of the 60k training images become the validation split.
     """
 
+    num_classes = 10  # digits 0-9, or FashionMNIST's 10 kinds of clothing
+
     def __init__(
         self,
         dataset: str = "MNIST",

@@ -25,6 +25,8 @@ def read_sklearn_digits() -> tuple[torch.Tensor, torch.Tensor]:
 class SklearnDigitsDataModule(TensorDataModule):
     """Split into train/val/test once by `split_seed`; everything else (order, shards) is TensorDataModule's."""
 
+    num_classes = 10  # digits 0-9
+
     def __init__(
         self,
         batch_size: int = 64,

@@ -5,6 +5,7 @@ itself (an image folder on another machine, MNIST not downloaded here): only the
 """
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,16 @@ def _mnist_shaped(mean: float, std: float, channels: int = 1) -> InputSpec:
     return InputSpec(channels=channels, height=28, width=28, mean=(mean,) * channels, std=(std,) * channels)
 
 
+def of_module(module: Any) -> InputSpec | None:
+    """What a LightningModule says it takes, if it says so: an `input_spec` attribute or method (README, Add your
+    model); it comes before the data's."""
+    spec = getattr(module, "input_spec", None)
+    spec = spec() if callable(spec) else spec
+    if spec is not None and not isinstance(spec, InputSpec):
+        raise UserError(f"{type(module).__name__}.input_spec: must be a project.data.spec.InputSpec, got {spec!r}")
+    return spec
+
+
 def _builtin(target: str, data: dict[str, Any]) -> InputSpec | None:
     """The template's own in-memory data sets; their modules are not asked (they predate this)."""
     if target == "project.data.digits.DigitsDataModule":
@@ -57,13 +68,13 @@ def _builtin(target: str, data: dict[str, Any]) -> InputSpec | None:
     return None
 
 
-def input_spec(data: Any, where: str = "data") -> InputSpec:
+def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> InputSpec:
     """The input of a model trained on the data module `data` (a plain config dict, as a checkpoint holds).
 
     Other data modules say it themselves with a classmethod `input_spec(config: dict) -> InputSpec`."""
     if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
         raise UserError(f"{where}: holds no data config, so the model's input size and normalization are unknown")
-    checkpoints.check_buildable(data, where, kind="data")  # imports nothing outside the allowed packages
+    checkpoints.check_buildable(data, where, kind="data", trusted=trusted)  # imports nothing outside those
     target = data["_target_"]
     found = _builtin(target, data)
     if found is not None:

@@ -65,6 +65,8 @@ class TensorDataModule(L.LightningDataModule):
     copied host-to-device during training. MNIST-sized data (~200 MB as float32) fits on any GPU.
     """
 
+    num_classes: int | None = None  # how many classes its labels have, where it knows: checked against the model
+
     def __init__(self, batch_size: int = 64, on_device: bool = True, shuffle: bool = True) -> None:
         super().__init__()
         if batch_size < 1:

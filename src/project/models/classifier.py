@@ -16,9 +16,10 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 class ImageClassifier(L.LightningModule):
     """Trains `net` (images -> logits) with cross-entropy; logs loss and accuracy per split.
 
-    `optimizer` and `scheduler` are factories (Hydra partials) so the config picks them.
-    Hyperparameters are not saved here: project.train stores the plain run config instead,
-    so every checkpoint loads with torch.load(weights_only=True) and can rebuild this module.
+    `optimizer` and `scheduler` are factories (Hydra partials) so the config picks them; `monitor` is the metric
+    a plateau scheduler watches (the run's monitor.metric). Hyperparameters are not saved here: every checkpoint
+    carries the plain run config instead (project.callbacks.run_config), loads with torch.load(weights_only=True)
+    and rebuilds this module.
     """
 
     def __init__(
@@ -28,6 +29,7 @@ class ImageClassifier(L.LightningModule):
         scheduler: SchedulerFactory | None = None,
         num_classes: int = 10,
         compile: bool | str = False,
+        monitor: str = "val/acc",
     ) -> None:
         super().__init__()
         if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
@@ -40,6 +42,7 @@ class ImageClassifier(L.LightningModule):
         self.compile_net = compile
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        self.monitor = monitor  # what a plateau scheduler watches: the run's monitor.metric
         self.criterion = nn.CrossEntropyLoss()
         # One metric object per split: their states must not mix (val runs inside the train epoch).
         # A non-finite loss stops the run (project.callbacks.divergence); the metric need not warn about it too.
@@ -123,5 +126,5 @@ class ImageClassifier(L.LightningModule):
         scheduler = self.scheduler_factory(optimizer)
         config = {"scheduler": scheduler, "interval": "epoch"}
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            config["monitor"] = "val/loss"
+            config["monitor"] = self.monitor
         return {"optimizer": optimizer, "lr_scheduler": config}

@@ -9,15 +9,23 @@ the allowed packages are even imported, no interpolations (they would call resol
 import inspect
 import re
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from project.errors import UserError
 
 SHARDED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+CONFIG_KEY = "run_config"  # where a checkpoint of this project keeps the run's resolved config
 
-# The packages whose classes a checkpoint may name; a module outside them is never imported.
+# The packages whose classes (and model factories) a checkpoint may name; a module outside them is never imported.
+# A user's own package joins them only by the config of the command that loads: trusted_packages=[mypackage].
 ALLOWED_MODULES = ("project.models.", "project.data.", "torch.nn.", "torch.optim.", "torchvision.models.")
+
+
+def allowed(trusted: Sequence[str] = ()) -> tuple[str, ...]:
+    """The allowed module prefixes, with the packages the user trusts (`mypackage` -> `mypackage.`)."""
+    return ALLOWED_MODULES + tuple(f"{t.strip('.')}." for t in trusted)
 
 
 def is_sharded(path: Path) -> bool:
@@ -66,8 +74,9 @@ def load(path: Path, mmap: bool = False) -> dict:
 
 
 def run_config(path: Path, ckpt: dict) -> dict:
-    """The run config a checkpoint of this project carries as its hyperparameters."""
-    config = ckpt.get("hyper_parameters") or {}
+    """The run config a checkpoint of this project carries (in its own key; earlier versions: as the module's
+    hyperparameters)."""
+    config = ckpt.get(CONFIG_KEY) or ckpt.get("hyper_parameters") or {}
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
     return config
@@ -83,10 +92,10 @@ def _kinds() -> dict[str, tuple[type, ...]]:
     return {"model": (L.LightningModule,), "data": (L.LightningDataModule,), "part": parts}
 
 
-def _class_of(target: str, where: str) -> Any:
+def _class_of(target: str, where: str, prefixes: tuple[str, ...]) -> Any:
     """`package.module.Class` by importing the module and taking one attribute: no walk through other modules'
     attributes (`project.models.classifier.L.<anything>` reaches far beyond the allowed packages), and the
-    class itself must be defined in an allowed package."""
+    class (or factory) itself must be defined in an allowed package."""
     import importlib
 
     module_name, _, name = target.rpartition(".")
@@ -95,19 +104,35 @@ def _class_of(target: str, where: str) -> Any:
     except (ImportError, AttributeError, ValueError) as e:
         raise UserError(f"{where}._target_={target!r}: not a class of a module of the allowed packages; refused") from e
     defined_in = f"{getattr(obj, '__module__', '')}."
-    if not defined_in.startswith(ALLOWED_MODULES):
+    if not defined_in.startswith(prefixes):
         raise UserError(
             f"{where}._target_={target!r}: defined in {defined_in[:-1]}, outside the allowed packages; refused"
         )
     return obj
 
 
-def check_buildable(node: Any, where: str, kind: str = "part") -> None:
-    """Raise unless every `_target_` under `node` is a class of the allowed packages and of the kind its
-    place allows. Module paths are checked before anything is imported, so a checkpoint cannot import code."""
+def _builds(obj: Any) -> Any:
+    """The class `obj` builds: itself, or a factory function's declared return class (torchvision's resnet18 ->
+    ResNet); None for anything else."""
+    if inspect.isclass(obj):
+        return obj
+    if not inspect.isfunction(obj):
+        return None
+    try:
+        returns = inspect.signature(obj, eval_str=True).return_annotation
+    except Exception:  # annotations that do not resolve: not a factory we can vouch for
+        return None
+    return returns if inspect.isclass(returns) else None
+
+
+def check_buildable(node: Any, where: str, kind: str = "part", trusted: Sequence[str] = ()) -> None:
+    """Raise unless every `_target_` under `node` is a class (or a factory declared to return one) of the allowed
+    packages and of the kind its place allows. Module paths are checked before anything is imported, so a
+    checkpoint cannot import code."""
+    prefixes = allowed(trusted)
     if isinstance(node, list):
         for i, item in enumerate(node):
-            check_buildable(item, f"{where}[{i}]")
+            check_buildable(item, f"{where}[{i}]", trusted=trusted)
         return
     if isinstance(node, str) and "${" in node:
         raise UserError(f"{where}={node!r}: a checkpoint's config holds resolved values, not interpolations; refused")
@@ -118,18 +143,31 @@ def check_buildable(node: Any, where: str, kind: str = "part") -> None:
             raise UserError(f"{where}: a checkpoint's config has plain string keys, not {key!r}; refused")
     if "_target_" in node:
         target = node["_target_"]
-        if not isinstance(target, str) or not target.startswith(ALLOWED_MODULES):
+        if not isinstance(target, str) or not target.startswith(prefixes):
             raise UserError(
-                f"{where}._target_={target!r}: a checkpoint may only name classes of {', '.join(ALLOWED_MODULES)}; "
-                "refused (the file may come from someone else)"
+                f"{where}._target_={target!r}: a checkpoint may only name classes of {', '.join(prefixes)}; "
+                "refused (the file may come from someone else; trust a package of yours with trusted_packages=[...])"
             )
-        obj = _class_of(target, where)
-        allowed = _kinds()[kind]
-        if not inspect.isclass(obj) or not issubclass(obj, allowed):
-            names = " or ".join(c.__name__ for c in allowed)
-            raise UserError(f"{where}._target_={target!r}: not a {names} class; refused")
+        built = _builds(_class_of(target, where, prefixes))
+        kinds = _kinds()[kind]
+        if built is None or not issubclass(built, kinds):
+            names = " or ".join(c.__name__ for c in kinds)
+            raise UserError(f"{where}._target_={target!r}: not a {names} class (or a factory of one); refused")
     for key, value in node.items():
-        check_buildable(value, f"{where}.{key}")
+        check_buildable(value, f"{where}.{key}", trusted=trusted)
+
+
+def _without_downloads(node: Any) -> Any:
+    """A factory's pretrained weights are never fetched for a checkpoint: its own weights replace them."""
+    if isinstance(node, list):
+        return [_without_downloads(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _without_downloads(v) for k, v in node.items()}
+    if str(out.get("_target_", "")).startswith("torchvision.models."):
+        out.update({k: None for k in ("weights", "weights_backbone") if k in out})
+        out.update({k: False for k in ("pretrained", "pretrained_backbone") if k in out})
+    return out
 
 
 def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
@@ -138,7 +176,9 @@ def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
     import hydra
     import torch
 
-    config = {**config, "compile": False}  # a test needs no compiler run, and the file does not choose one
+    config = _without_downloads(config)
+    if "compile" in config:  # a test needs no compiler run, and the file does not choose one
+        config["compile"] = False
     try:
         if state_dict is not None:
             with torch.device("meta"):
@@ -161,13 +201,13 @@ def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
         ) from e
 
 
-def load_model(path: str) -> tuple[Any, dict]:
+def load_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
     """Rebuild the LightningModule from the run config stored in the checkpoint, with its weights loaded
     unless the checkpoint is sharded (then the fsdp strategy loads them: trainer.test(ckpt_path=...))."""
     p = check_readable(path)
     ckpt = load(p)
     config = run_config(p, ckpt)
-    check_buildable(config["model"], "model", kind="model")
+    check_buildable(config["model"], "model", kind="model", trusted=trusted)
     state_dict = None if is_sharded(p) else ckpt.get("state_dict")
     if not is_sharded(p) and not isinstance(state_dict, dict):
         raise UserError(f"ckpt_path={path}: holds no weights (state_dict); it is not a checkpoint of a trained model")

@@ -5,6 +5,7 @@ shard through torch.distributed.checkpoint without a process group (it reshards 
 """
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,9 @@ def _load_shards(model: Any, path: Path) -> None:
     model.load_state_dict(state[SHARDED_WEIGHTS])
 
 
-def load_full_model(path: str) -> tuple[Any, dict]:
+def load_full_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
     """(LightningModule in eval mode with its trained weights, the run config), through the safe loader."""
-    model, config = checkpoints.load_model(path)
+    model, config = checkpoints.load_model(path, trusted)
     p = Path(path).expanduser()
     if checkpoints.is_sharded(p):
         _load_shards(model, p)

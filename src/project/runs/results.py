@@ -10,9 +10,17 @@ from pathlib import Path
 from typing import Any
 
 
-def write_metrics(trainer: Any, path: Path, status: str = "ok") -> dict[str, float]:
-    """The trainer's final scalar metrics; written by rank 0, returned on every rank."""
+def best_key(metric: str) -> str:
+    """Where a run's best monitor.metric goes among its metrics (fit_metrics.json): `best/val/acc`."""
+    return f"best/{metric}"
+
+
+def write_metrics(
+    trainer: Any, path: Path, status: str = "ok", extra: dict[str, float] | None = None
+) -> dict[str, float]:
+    """The trainer's final scalar metrics (and `extra` ones); written by rank 0, returned on every rank."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    metrics.update(extra or {})
     if trainer.is_global_zero:
         shown: dict[str, Any] = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         shown["status"] = status

@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from project.launch.sweeps import ERROR_FILE
-from project.runs.results import read_metrics
+from project.runs.results import best_key, read_metrics
 
 PRUNED_FILE = "pruned.json"  # written by project.callbacks.pruning when Optuna stopped the job
 COLUMNS = ["job", "status", "metric", "test", "epochs", "wall_s", "overrides", "error"]
@@ -70,7 +70,7 @@ def _wall_s(job_dir: Path) -> float | None:
 
 
 def test_metric_for(metric: str) -> str:
-    """The test counterpart of the optimized metric: val/acc_best -> test/acc."""
+    """The test counterpart of the optimized metric: best/val/acc (or val/acc_best) -> test/acc."""
     return "test/" + metric.split("/")[-1].removesuffix("_best")
 
 
@@ -89,13 +89,16 @@ def read_job(job_dir: Path, metric: str) -> Job:
 
 
 def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
-    """(optimized metric, higher is better) from the sweep's config."""
+    """(optimized metric, higher is better) from the sweep's config: optimized_metric, else the best monitor.metric,
+    sorted by monitor.mode."""
     path = sweep_dir / "multirun.yaml"
     cfg = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
-    metric = str(OmegaConf.select(cfg, "optimized_metric", default=None) or "val/acc_best")
-    direction = OmegaConf.select(cfg, "hydra.sweeper.direction", default=None, throw_on_resolution_failure=False)
-    if direction in ("maximize", "minimize"):
-        return metric, direction == "maximize"
+    select = lambda key: OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)  # noqa: E731
+    monitor, mode = select("monitor.metric") or "val/acc", select("monitor.mode")
+    metric = str(select("optimized_metric") or best_key(monitor))
+    direction = {"maximize": "max", "minimize": "min"}.get(str(select("hydra.sweeper.direction")), mode)
+    if direction in ("max", "min"):
+        return metric, direction == "max"
     return metric, not any(word in metric for word in ("loss", "error", "mse", "mae"))
 
 

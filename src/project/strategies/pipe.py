@@ -210,9 +210,9 @@ class PipeStrategy(OneProcessStrategy):
         assert module is not None
         net = parallelize.net_of(module)
         if self.plan is None:
-            sample = getattr(module, "example_input_array", None)
-            if isinstance(sample, Tensor):
-                sample = sample.expand(32, *sample.shape[1:]).contiguous()
+            sample = getattr(module, "example_input_array", None) if self.balance == "time" else None
+            if isinstance(sample, Tensor):  # a batch of 32 of it: block timings of one sample say little
+                sample = sample[:1].expand(32, *sample.shape[1:]).contiguous()
             self.plan = parallelize.plan_stages(
                 net,
                 len(self.devices),

@@ -82,6 +82,7 @@ class PipelineStrategy(OneCheckpointFile):
         self._stash: list[tuple[nn.Parameter, Tensor | None]] = []
         self._step: st.Run | None = None  # the training step in flight, for the loss function
         self._error: Exception | None = None  # the user's step failed on this rank during the schedule
+        self._example: Any = None  # the module's example_input_array, put aside while the run lasts
 
     # ------------------------------------------------------------ where this process sits
 
@@ -209,6 +210,9 @@ class PipelineStrategy(OneCheckpointFile):
         assert module is not None and self.accelerator is not None
         st.refuse(module)
         self.parallelize(parallelize.net_of(module))  # a module whose configure_model did not hand it over
+        # No process holds the whole net, so nothing may run its forward on example_input_array (the model
+        # summary would); restored at teardown.
+        self._example, module.example_input_array = module.example_input_array, None
         self.accelerator.setup(trainer)
         self._layer_sync = None  # SyncBatchNorm syncs over all processes, but they hold different stages
         self.precision_plugin.convert_module(module)
@@ -231,6 +235,12 @@ class PipelineStrategy(OneCheckpointFile):
             _optimizers_to_device(self.optimizers, self.root_device)
         # an instance attribute shadows the plugin's method: clip by the norm over all stages, as one device does
         self.precision_plugin.__dict__["clip_grad_by_norm"] = self._clip_grad_by_norm
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and self._example is not None:
+            module.example_input_array, self._example = self._example, None
+        super().teardown()
 
     # ------------------------------------------------------------ steps
 

@@ -26,7 +26,7 @@ def _data_config(cfg: DictConfig, train_config: dict) -> DictConfig:
     data = train_config.get("data")
     if not isinstance(data, dict):
         raise UserError(f"ckpt_path={cfg.ckpt_path}: holds no data config; pass data=<option>")
-    checkpoints.check_buildable(data, "data", kind="data")
+    checkpoints.check_buildable(data, "data", kind="data", trusted=cfg.trusted_packages)
     if "data_dir" in data and data["data_dir"] != cfg.paths.data_dir:
         log.info("Data from the checkpoint's config, read from paths.data_dir=%s", cfg.paths.data_dir)
         data = {**data, "data_dir": cfg.paths.data_dir}
@@ -41,7 +41,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
     path = checkpoints.check_readable(cfg.ckpt_path)
-    model, train_config = checkpoints.load_model(str(path))
+    model, train_config = checkpoints.load_model(str(path), cfg.trusted_packages)
     build.check(cfg)
     make_output_dirs(cfg)
     datamodule = build.datamodule(_data_config(cfg, train_config))

@@ -1,9 +1,11 @@
-"""The export task: a checkpoint's net, with its input normalization built in, as a file that runs without this
-project: ONNX (onnxruntime, any language) or torch.export's `.pt2` (torch.export.load).
+"""The export task: a checkpoint's LightningModule (its forward), with its input normalization built in, as a file
+that runs without this project: ONNX (onnxruntime, any language) or torch.export's `.pt2` (torch.export.load).
 
 The file goes beside the checkpoint (<checkpoint name>.onnx or .pt2) unless `output=` names another path;
 the run dir keeps export.json (what was written, the input it takes, the largest difference from PyTorch).
-Input: uint8 pixels (N, C, H, W), 0-255, any N; output: logits (N, num_classes).
+A model of images takes uint8 pixels (N, C, H, W), 0-255, any N; a classifier returns logits (N, num_classes),
+another module whatever its forward returns (`output`). A module that is not about images exports on its
+`example_input_array`, as it is.
 """
 
 import json
@@ -40,7 +42,7 @@ def example_pixels(spec: Any, n: int, seed: int = 0) -> Any:
     return torch.randint(0, 256, (n, spec.channels, spec.height, spec.width), dtype=torch.uint8, generator=generator)
 
 
-def write_onnx(module: Any, example: Any, path: Path, classes: list[str]) -> None:
+def write_onnx(module: Any, example: Any, path: Path, classes: list[str], input_name: str, output_name: str) -> None:
     import onnx
     import torch
 
@@ -49,80 +51,113 @@ def write_onnx(module: Any, example: Any, path: Path, classes: list[str]) -> Non
         module,
         (example,),
         dynamo=True,
-        input_names=[INPUT_NAME],
-        output_names=[OUTPUT_NAME],
+        input_names=[input_name],
+        output_names=[output_name],
         dynamic_shapes=({0: batch},),
         verbose=False,
     )
     assert program is not None
     program.save(str(path))
     model = onnx.load(str(path))
-    onnx.helper.set_model_props(model, {"classes": json.dumps(classes), "input": "uint8 pixels (N, C, H, W), 0-255"})
+    described = "uint8 pixels (N, C, H, W), 0-255" if input_name == INPUT_NAME else f"{example.dtype} (N, ...)"
+    onnx.helper.set_model_props(model, {"classes": json.dumps(classes), "input": described})
     onnx.save(model, str(path))
 
 
-def write_torch_export(module: Any, example: Any, path: Path, classes: list[str]) -> None:
+def write_torch_export(
+    module: Any, example: Any, path: Path, classes: list[str], input_name: str, output_name: str
+) -> None:
     import torch
 
     program = torch.export.export(module, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},))
     torch.export.save(program, str(path), extra_files={"classes.json": json.dumps(classes)})
 
 
-def run_exported(path: Path, fmt: str, pixels: Any) -> Any:
-    """The exported file's logits for uint8 `pixels`, run the way a user without this project would."""
+def run_exported(
+    path: Path, fmt: str, inputs: Any, input_name: str = INPUT_NAME, output_name: str = OUTPUT_NAME
+) -> Any:
+    """The exported file's output for `inputs`, run the way a user without this project would."""
     import torch
 
     if fmt == "onnx":
         import onnxruntime
 
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: pixels.numpy()})[0])
-    return torch.export.load(str(path)).module()(pixels)
+        return torch.from_numpy(session.run([output_name], {input_name: inputs.numpy()})[0])
+    return torch.export.load(str(path)).module()(inputs)
 
 
-def max_difference(module: Any, path: Path, fmt: str, pixels: Any) -> float:
+def max_difference(module: Any, path: Path, fmt: str, inputs: Any, input_name: str, output_name: str) -> float:
     import torch
 
     with torch.no_grad():
-        return float((run_exported(path, fmt, pixels) - module(pixels)).abs().max())
+        return float((run_exported(path, fmt, inputs, input_name, output_name) - module(inputs)).abs().max())
+
+
+def _example(model: Any, spec: Any) -> tuple[Any, Any, str]:
+    """(the module to export, its example input, the input's name): uint8 pixels with the normalization inside
+    for a model of images, else the module as it is on its `example_input_array`."""
+    import torch
+
+    from project.models.pixels import RawPixels
+
+    if spec is not None:
+        return RawPixels(model, spec.mean, spec.std).eval(), example_pixels(spec, 2), INPUT_NAME
+    example = getattr(model, "example_input_array", None)
+    if not isinstance(example, torch.Tensor) or not example.dim():
+        raise UserError(
+            f"{type(model).__name__} has no input to export on: give it an `input_spec` (images) or an "
+            "`example_input_array` (one batched tensor) (README, Add your model)"
+        )
+    return model.eval(), example, "input"
 
 
 def export(cfg: DictConfig) -> Path:
     """Returns the path of the exported file."""
     import torch
 
-    from project.data.spec import input_spec
-    from project.models.pixels import RawPixels
     from project.runs.full_model import load_full_model
-    from project.tasks.prediction import class_names
+    from project.tasks.prediction import class_names, input_spec_of
 
     check_config(cfg)
     if cfg.format not in SUFFIXES:
         raise UserError(f"format={cfg.format}: one of {', '.join(SUFFIXES)}")
     seed_run(cfg.seed)
-    model, train_config = load_full_model(cfg.ckpt_path)
-    spec = input_spec(train_config.get("data"), where=f"ckpt_path={cfg.ckpt_path}: data")
+    model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
+    try:
+        spec = input_spec_of(model, train_config, cfg)
+    except UserError:
+        if getattr(model, "example_input_array", None) is None:
+            raise
+        spec = None  # not images: the module's own example input
     path = target_path(cfg)
     if not path.parent.is_dir():
         raise UserError(f"output={path}: its folder {path.parent} does not exist")
     make_output_dirs(cfg)
-    module = RawPixels(model.net, spec.mean, spec.std).eval()
-    example = example_pixels(spec, 2)
+    module, example, input_name = _example(model, spec)
+    classes = class_names(model, cfg.ckpt_path, train_config)
+    output_name = OUTPUT_NAME if classes else "output"
     with torch.no_grad():
-        classes = class_names(cfg.ckpt_path, train_config, int(module(example).shape[1]))
+        output = module(example)
+    if not isinstance(output, torch.Tensor):
+        raise UserError(f"{type(model).__name__}.forward returns {type(output).__name__}: export needs one tensor")
     try:
-        (write_onnx if cfg.format == "onnx" else write_torch_export)(module, example, path, classes)
+        (write_onnx if cfg.format == "onnx" else write_torch_export)(
+            module, example, path, classes or [], input_name, output_name
+        )
     except PermissionError as e:
         raise UserError(f"{path}: cannot be written ({e.strerror}); pass output=<a writable path>") from e
-    # other batch sizes than the example's: the batch dimension must really be dynamic
-    difference = max_difference(module, path, cfg.format, example_pixels(spec, 5, seed=1)) if cfg.check else None
+    # another batch size than the example's: the batch dimension must really be dynamic
+    other = example_pixels(spec, 5, seed=1) if spec is not None else torch.cat([example] * 3)[:5]
+    difference = max_difference(module, path, cfg.format, other, input_name, output_name) if cfg.check else None
     if difference is not None and not difference <= TOLERANCE:
         raise UserError(f"{path}: its outputs differ from PyTorch's by {difference:.2e} (more than {TOLERANCE})")
+    shape = ["N", spec.channels, spec.height, spec.width] if spec is not None else ["N", *example.shape[1:]]
     summary = {
         "path": str(path.resolve()),
         "format": cfg.format,
-        "input": {"name": INPUT_NAME, "dtype": "uint8", "shape": ["N", spec.channels, spec.height, spec.width]},
-        "output": {"name": OUTPUT_NAME, "shape": ["N", len(classes)]},
+        "input": {"name": input_name, "dtype": "uint8" if spec is not None else str(example.dtype), "shape": shape},
+        "output": {"name": output_name, "shape": ["N", *output.shape[1:]]},
         "classes": classes,
         "max_abs_difference": difference,
     }

@@ -1,5 +1,6 @@
-"""The prediction task: a checkpoint's model on a folder of images, one image or an IDX file, through
-`ImageClassifier.predict_step` and `trainer.predict`, into <run>/predictions.csv."""
+"""The prediction task: a checkpoint's model on a folder of images, one image or an IDX file, through the module's
+own `predict_step` and `trainer.predict`, into <run>/predictions.pt and predictions.csv
+(project.callbacks.predictions)."""
 
 import logging
 from pathlib import Path
@@ -17,28 +18,32 @@ from project.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
 
-PREDICTIONS = "predictions.csv"
 
-
-def class_names(ckpt_path: str, config: dict, num_classes: int) -> list[str]:
-    """The class names the data module saved in the checkpoint (an image folder's subfolders), else 0..n-1."""
+def class_names(model: Any, ckpt_path: str, config: dict) -> list[str] | None:
+    """A classifier's class names (it has `num_classes`): what the data module saved in the checkpoint (an image
+    folder's subfolders), else 0..n-1. None for a module of another task."""
     from project.runs.full_model import datamodule_state
 
+    count = getattr(model, "num_classes", None)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return None
     names = datamodule_state(ckpt_path, config).get("classes")
-    if isinstance(names, list) and len(names) == num_classes and all(isinstance(n, str) for n in names):
+    if isinstance(names, list) and len(names) == count and all(isinstance(n, str) for n in names):
         return names
-    return [str(i) for i in range(num_classes)]
+    return [str(i) for i in range(count)]
 
 
-def _num_classes(model: Any, channels: int, height: int, width: int) -> int:
-    import torch
+def input_spec_of(model: Any, config: dict, cfg: DictConfig) -> Any:
+    """What the model takes: its own `input_spec` if it declares one, else its training data's."""
+    from project.data import spec
 
-    with torch.no_grad():
-        return int(model(torch.zeros(1, channels, height, width)).shape[1])
+    return spec.of_module(model) or spec.input_spec(
+        config.get("data"), where=f"ckpt_path={cfg.ckpt_path}: data", trusted=cfg.trusted_packages
+    )
 
 
 def predict(cfg: DictConfig) -> Path:
-    """Returns the path of the predictions file (written by rank 0)."""
+    """Returns the run directory, which holds predictions.pt (and predictions.csv), written by rank 0."""
     check_config(cfg)
     if cfg.batch_size < 1 or cfg.num_workers < 0:
         raise UserError(f"batch_size={cfg.batch_size}, num_workers={cfg.num_workers}: need >= 1 and >= 0")
@@ -46,21 +51,19 @@ def predict(cfg: DictConfig) -> Path:
         raise UserError(f"input={cfg.input}: no such file or folder; pass a folder of images, an image or an IDX file")
     from torch.utils.data import DataLoader
 
-    from project.callbacks.predictions import PredictionsCSV
+    from project.callbacks.predictions import PredictionsWriter
     from project.data.inputs import PredictInputs
-    from project.data.spec import input_spec
     from project.runs.full_model import load_full_model
 
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
-    model, train_config = load_full_model(cfg.ckpt_path)
-    spec = input_spec(train_config.get("data"), where=f"ckpt_path={cfg.ckpt_path}: data")
-    inputs = PredictInputs(cfg.input, spec, resize=cfg.resize)
-    classes = class_names(cfg.ckpt_path, train_config, _num_classes(model, spec.channels, spec.height, spec.width))
+    model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
+    inputs = PredictInputs(cfg.input, input_spec_of(model, train_config, cfg), resize=cfg.resize)
+    classes = class_names(model, cfg.ckpt_path, train_config)
     build.check(cfg)
     make_output_dirs(cfg)
-    output = Path(cfg.paths.output_dir) / PREDICTIONS
-    trainer = build.trainer(cfg.trainer, [PredictionsCSV(output, inputs.names, classes)], [], cfg.launch)
+    output = Path(cfg.paths.output_dir)
+    trainer = build.trainer(cfg.trainer, [PredictionsWriter(output, inputs.names, classes)], [], cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         sweeps.run_job_in_fresh_process(None)
         return output
@@ -74,5 +77,5 @@ def predict(cfg: DictConfig) -> Path:
     )
     trainer.predict(model, dataloaders=loader, return_predictions=False)
     if trainer.is_global_zero:
-        log.info("Predicted %d inputs: %s", len(inputs), output)
+        log.info("Predicted %d inputs into %s", len(inputs), output)
     return output

@@ -2,14 +2,18 @@
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from project import build
 from project.callbacks.divergence import DivergedError
+from project.callbacks.monitor import Monitor, best_key
+from project.callbacks.run_config import RunConfigInCheckpoints
 from project.callbacks.schedule import StretchSchedule
 from project.config.schema import check_config
 from project.launch import environment, sweeps
+from project.models import contract
 from project.runs import checkpoints, resume
 from project.runs.dirs import make_output_dirs
 from project.runs.results import write_metrics
@@ -20,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> float | None:
-    """Returns the value of `cfg.optimized_metric` (for sweepers), or None when it was not logged."""
+    """Returns the best value of `cfg.monitor.metric` (or `cfg.optimized_metric`'s), for sweepers; None when it was
+    not logged."""
     check_config(cfg)
     build.check(cfg)
     output_dir = Path(cfg.paths.output_dir)
@@ -40,15 +45,22 @@ def train(cfg: DictConfig) -> float | None:
 
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
+    contract.check(model, datamodule, test=cfg.test)
+    contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))
     if ckpt_path:
         checkpoints.check_weights_fit(ckpt_path, model)
-    # The plain run config is the module's hyperparameters: every checkpoint carries what rebuilds the model
-    # (project.runs.checkpoints.load_model), loadable with weights_only=True.
-    model.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
-    callbacks, loggers = build.named(cfg.callbacks, "callbacks") + run_callbacks, build.named(cfg.logger, "logger")
+    # Every checkpoint carries the plain run config (project.runs.checkpoints.load_model rebuilds the model from it),
+    # loadable with weights_only=True; the module's own hyperparameters stay its own.
+    run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    monitor = Monitor(cfg.monitor.metric, cfg.monitor.mode)
+    callbacks = [monitor, *build.named(cfg.callbacks, "callbacks"), *run_callbacks, RunConfigInCheckpoints(run_config)]
+    loggers = build.named(cfg.logger, "logger")
     trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch)
+    objective = cfg.optimized_metric or best_key(cfg.monitor.metric)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
-        return sweeps.run_job_in_fresh_process(cfg.optimized_metric)
+        return sweeps.run_job_in_fresh_process(objective)
+    for logger in loggers:  # the run config beside the module's own hyperparameters (TensorBoard's HParams view)
+        logger.log_hyperparams(run_config)
 
     metrics: dict[str, float] = {}
     if cfg.train:
@@ -57,7 +69,8 @@ def train(cfg: DictConfig) -> float | None:
         except DivergedError:
             write_metrics(trainer, output_dir / "fit_metrics.json", status="diverged")
             raise
-        metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json"))
+        found = {best_key(monitor.metric): monitor.best} if monitor.best is not None else {}
+        metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json", extra=found))
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if cfg.train and trainer.checkpoint_callback else ""
         if cfg.train and not best:
@@ -66,4 +79,4 @@ def train(cfg: DictConfig) -> float | None:
         metrics.update(write_metrics(trainer, output_dir / "test_metrics.json"))
         if best and trainer.is_global_zero:
             log.info("Tested %s", best)
-    return sweeps.objective(metrics, cfg.optimized_metric)
+    return sweeps.objective(metrics, objective)

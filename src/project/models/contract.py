@@ -1,0 +1,119 @@
+"""What a model of yours must be for this template, checked at start with one line each (README, Add your model):
+a LightningModule (a plain nn.Module goes inside ImageClassifier as its `net`); hyperparameters of plain values
+only, so that every checkpoint loads with torch.load(weights_only=True) later (eval, predict, export, resume); a
+test_step when the run tests; and a forward that takes the data's images (channels, size) and, for a classifier,
+has as many outputs as the data has classes. That last one runs the forward on two images of the data's shape on
+the meta device (no memory, no compute) before any data is read."""
+
+from typing import Any
+
+from project.errors import UserError
+
+PLAIN = (str, int, float, bool, type(None))
+
+
+def _first_unplain(value: Any, path: str) -> tuple[str, Any] | None:
+    """(where, what) of the first value a weights-only checkpoint cannot hold, or None."""
+    import torch
+
+    if isinstance(value, PLAIN) or isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, PLAIN):
+                return f"{path} key {key!r}", key
+            found = _first_unplain(item, f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _first_unplain(item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return path, value
+
+
+def _check_plain(owner: Any, kind: str) -> None:
+    found = _first_unplain(dict(getattr(owner, "hparams", {}) or {}), "hparams")
+    if found is None:
+        return
+    where, value = found
+    what = type(value).__name__
+    key = where.split("[")[1].split("]")[0] if "[" in where else where
+    raise UserError(
+        f"{type(owner).__name__}.{where} is a {what}: a {kind} checkpoint holding it would not load safely "
+        f"(torch's weights_only loading refuses it); call self.save_hyperparameters(ignore=[{key}]) in "
+        f"{type(owner).__name__}.__init__"
+    )
+
+
+def check(model: Any, datamodule: Any, test: bool = False) -> None:
+    import lightning.pytorch as L
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not isinstance(model, L.LightningModule):
+        raise UserError(
+            f"model._target_ builds a {type(model).__name__}, not a LightningModule; put an nn.Module inside the "
+            "classifier instead: model=tiny_cnn model.net._target_=<your net> (README, Add your model)"
+        )
+    if test and not is_overridden("test_step", model):
+        raise UserError(
+            f"test=true, but {type(model).__name__} defines no test_step: add one, or pass test=false (fit only)"
+        )
+    _check_plain(model, "model's")
+    if datamodule is not None:
+        _check_plain(datamodule, "data module's")
+
+
+def _data_shape(data_config: Any) -> tuple[int, int, int] | None:
+    """(channels, height, width) of the data's images, from its config alone; None where it does not say."""
+    from project.data import spec
+
+    try:
+        found = spec.input_spec(data_config)
+    except Exception:  # a data module that does not say what its images look like: nothing to check against
+        return None
+    return found.channels, found.height, found.width
+
+
+def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
+    """The model's forward on two images shaped like the data's, and a classifier's outputs against the data's
+    classes: a mismatch ends here in one line, not in the first step with a long traceback."""
+    import torch
+
+    shape = _data_shape(data_config)
+    if shape is None or not isinstance(model, torch.nn.Module):
+        return
+    x = torch.zeros(2, *shape, device="meta")
+    weights = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(model, weights, (x,), strict=False)
+    except NotImplementedError:  # an op without a meta kernel: nothing can be said here
+        model.train(was)
+        return
+    except Exception:
+        try:  # again for real, on two images of zeros: its error says more than the meta kernel's
+            with torch.no_grad():
+                out = model(torch.zeros(2, *shape))
+        except Exception as e:
+            detail = " ".join(str(e).split())[:240]
+            raise UserError(
+                f"{type(model).__name__} does not take the data's images ({shape[0]} channels, {shape[1]}x{shape[2]})"
+                f": {type(e).__name__}: {detail}; make them fit: data.channels and data.image_size, or the model's "
+                "input size in its config"
+            ) from e
+    finally:
+        model.train(was)
+    classes = getattr(datamodule, "num_classes", None)
+    wanted = getattr(model, "num_classes", None)
+    if isinstance(classes, int) and isinstance(wanted, int) and isinstance(out, torch.Tensor) and out.dim() == 2:
+        if out.shape[1] != classes:
+            raise UserError(
+                f"{type(model).__name__} has {out.shape[1]} outputs (model.num_classes={wanted}) but the data has "
+                f"{classes} classes: set model.num_classes={classes}"
+            )
