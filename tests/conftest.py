@@ -4,13 +4,14 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from warm import Warm
 
 from project.config import register
 
@@ -33,16 +34,43 @@ def cli_env(**extra: str) -> dict[str, str]:
     }
 
 
+WARM = Warm()  # this test process's warm interpreter (tests/warm.py), started on first use
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_interpreter() -> Iterator[None]:
+    yield
+    WARM.close()
+
+
+def run_python(
+    argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 600, cold: bool = False
+) -> subprocess.CompletedProcess:
+    """`python <args>` (argv[0] is this interpreter) in `cwd` with `env`, stdout and stderr captured as text: in
+    the warm interpreter (the imports already paid), or as a new process (`cold`) where the process itself is what
+    a test looks at (what it imports, who its parent is)."""
+    if cold:
+        return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return WARM.run(argv, Path(cwd), env, timeout)
+
+
 @pytest.fixture
 def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run `python <repo>/<script> <overrides>` as a user would, from a fresh working directory (`cwd`,
     tmp_path by default): logs/ and data/ land there by the config's own defaults."""
 
-    def run(script: str, *overrides: str, check: bool = True, env: dict | None = None, cwd: Path | None = None):
+    def run(
+        script: str,
+        *overrides: str,
+        check: bool = True,
+        env: dict | None = None,
+        cwd: Path | None = None,
+        cold: bool = False,
+    ) -> subprocess.CompletedProcess:
         cwd = cwd or tmp_path
         cwd.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(REPO / script), *overrides]
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=cli_env(**(env or {})))
+        proc = run_python(cmd, cwd, cli_env(**(env or {})), cold=cold)
         if check and proc.returncode != 0:
             output = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{output}")

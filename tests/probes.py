@@ -21,6 +21,14 @@ def probe_dir() -> Path:
     return Path(os.environ["PROBE_DIR"])
 
 
+def run_seed(trainer) -> object:
+    """The seed of the config this process runs (the run config every checkpoint carries)."""
+    from project.callbacks.run_config import RunConfigInCheckpoints
+
+    (found,) = [c for c in trainer.callbacks if isinstance(c, RunConfigInCheckpoints)]
+    return found.config.get("seed")
+
+
 class CountingDigits(DigitsDataModule):
     """Digits that append a line per prepare_data call, naming the calling rank."""
 
@@ -44,13 +52,13 @@ class ShardProbe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         images, _ = batch
         self.seen.setdefault(trainer.current_epoch, []).extend(fingerprint(x) for x in images)
-        seed = pl_module.hparams.get("seed")
+        seed = run_seed(trainer)
         if trainer.global_rank == 1 and batch_idx == 2 and str(seed) == os.environ.get("PROBE_FAIL_SEED"):
             raise RuntimeError(f"probe: rank 1 of the seed={seed} job fails on purpose")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        seed = pl_module.hparams.get("seed")
+        seed = run_seed(trainer)
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.parameters())
         out = {
             "local_params": local,

@@ -1,13 +1,12 @@
 """Checkpoints are data: a checkpoint from someone else cannot make loading it run code, and bad files fail by
 name. Each hostile checkpoint below tries to write a file (or truncate one); none may succeed."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, cli_env, run_python
 
 from project.errors import UserError
 from project.runs.checkpoints import check_readable, load_model
@@ -146,13 +145,7 @@ def test_eval_py_refuses_a_hostile_checkpoint_and_touches_nothing(tmp_path, part
     state = hydra.utils.instantiate(MLP_MODEL).state_dict()
     path = tmp_path / "hostile.ckpt"
     torch.save({"hyper_parameters": {"model": model_cfg, "data": data_cfg}, "state_dict": state}, path)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "eval.py"), f"ckpt_path={path}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python([sys.executable, str(REPO / "eval.py"), f"ckpt_path={path}"], tmp_path, cli_env())
     assert proc.returncode == 2, proc.stderr[-2000:]
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "builtins.open" in error and "refused" in error and "Traceback" not in proc.stderr

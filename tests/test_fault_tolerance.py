@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cli_env, run_dirs
+from conftest import REPO, cli_env, run_dirs, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +35,7 @@ RUN = [
 
 def train(cwd: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=cwd,
-        env=cli_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_python([sys.executable, str(REPO / "train.py"), *args], cwd, cli_env(**(env or {})))
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -33,7 +33,7 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2 and (last / "meta.pt").is_file()
     meta = torch.load(last / "meta.pt", weights_only=True)
-    assert meta["epoch"] == 2 and meta["hyper_parameters"]["trainer"]["strategy"]["_target_"].endswith("FSDPStrategy")
+    assert meta["epoch"] == 2 and meta["run_config"]["trainer"]["strategy"]["_target_"].endswith("FSDPStrategy")
 
     resumed_logs = tmp_path / "resumed"
     cli("train.py", *FSDP, f"ckpt_path={last}", "trainer.max_epochs=4", "stretch_schedule=true", cwd=resumed_logs)
@@ -68,5 +68,5 @@ def test_fsdp_with_bf16_mixed_trains_on_two_processes(cli, tmp_path):
     cli("train.py", *FSDP, "precision=bf16_mixed", "test=false")
     (run,) = run_dirs(tmp_path / "logs")
     meta = torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
-    assert meta["hyper_parameters"]["trainer"]["precision"] == "bf16-mixed"
+    assert meta["run_config"]["trainer"]["precision"] == "bf16-mixed"
     assert 0.5 < json.loads((run / "fit_metrics.json").read_text())["val/acc"] <= 1.0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cli_env, run_dirs
+from conftest import REPO, cli_env, run_dirs, run_python
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -60,7 +60,7 @@ def train(
     cwd.mkdir(parents=True)
     cmd = [sys.executable, str(REPO / "train.py"), *COMMON, *overrides]
     full_env = cli_env(PROBE_DIR=str(cwd), **(env or {}))
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=full_env)
+    proc = run_python(cmd, cwd, full_env, timeout=300)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

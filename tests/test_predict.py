@@ -43,19 +43,13 @@ def digits() -> np.ndarray:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A real checkpoint: the MLP trained for a few batches (PROJECT_PROFILE=tiny)."""
-    import subprocess
     import sys
 
-    from conftest import REPO, cli_env
+    from conftest import REPO, cli_env, run_python
 
     work = tmp_path_factory.mktemp("train")
-    subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "model=mlp"],
-        cwd=work,
-        env=cli_env(PROJECT_PROFILE="tiny"),
-        check=True,
-        capture_output=True,
-    )
+    proc = run_python([sys.executable, str(REPO / "train.py"), "model=mlp"], work, cli_env(PROJECT_PROFILE="tiny"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     (best,) = (run_dirs(work / "logs")[0] / "checkpoints").glob("epoch_*.ckpt")
     return best
 

@@ -12,13 +12,14 @@ In ```console blocks, `$ command` lines are run and the `error:` line that follo
 """
 
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, write_idx
+from conftest import REPO, cli_env, run_python, write_idx
 
 pytestmark = pytest.mark.slow
 
@@ -170,19 +171,33 @@ def workdir(tmp_path_factory) -> Path:
     return fresh_copy(tmp_path_factory)
 
 
+def _python_argv(command: str) -> list[str] | None:
+    """`python <args>` as the argv the interpreter would get from bash (quotes, variables and globs expanded by bash
+    itself), or None for a command that is more than one program (pipes, redirections, `&&`) or not python."""
+    lex = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    words = list(lex)
+    if len(words) < 2 or words[0] != "python" or any(set(w) <= set("|&;<>()") for w in words):
+        return None
+    expanded = subprocess.run(
+        ["bash", "-c", "printf '%s\\0' " + command.split(None, 1)[1]], capture_output=True, text=True
+    )
+    return [sys.executable, *expanded.stdout.split("\0")[:-1]] if expanded.returncode == 0 else None
+
+
 def run_command(workdir: Path, command: str, expected: str | None) -> None:
     # the copy's own code, as an editable install of a fresh clone would give: a file the README has a user
     # add (a net of their own) is found
     env = cli_env(PROJECT_PROFILE="tiny", PATH=f"{Path(sys.executable).parent}:{cli_env()['PATH']}")
     env["PYTHONPATH"] = str(workdir / "src")
-    proc = subprocess.run(
-        ["bash", "-c", _fill(command, workdir)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = _fill(command, workdir)
+    argv = _python_argv(command)
+    if argv is not None:  # exactly `python ...` as written, in the warm interpreter (tests/warm.py)
+        proc = run_python(argv, workdir, env)
+    else:
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True, timeout=600
+        )
     if expected is None:
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     else:

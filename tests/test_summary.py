@@ -1,12 +1,11 @@
 """The sweep summary (src/project/runs/summary.py): written when a sweep ends, and by its own command."""
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +21,7 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
     assert rows[2]["error"] == "model.optimizer: ValueError: Invalid learning rate: -1"
     ok = rows[:2]
     assert all(r["status"] == "ok" and r["epochs"] == "2" and float(r["wall_s"]) > 0 for r in ok)
-    assert float(ok[0]["val/acc_best"]) >= float(ok[1]["val/acc_best"]) and ok[0]["test/acc"]
+    assert float(ok[0]["best/val/acc"]) >= float(ok[1]["best/val/acc"]) and ok[0]["test/acc"]
     assert {r["overrides"] for r in rows} == {
         f"profile=tiny model=mlp model.optimizer.lr={lr}" for lr in (0.01, -1, 0.001)
     }
@@ -34,9 +33,7 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
     (root / "0" / "fit_metrics.json").unlink()
     (root / "0" / "test_metrics.json").unlink()
     (root / "summary.csv").unlink()
-    again = subprocess.run(
-        [sys.executable, "-m", "project.runs.summary", str(root)], capture_output=True, text=True, env=cli_env()
-    )
+    again = run_python([sys.executable, "-m", "project.runs.summary", str(root)], tmp_path, cli_env())
     assert again.returncode == 0, again.stderr
     statuses = {r["job"]: r["status"] for r in csv.DictReader((root / "summary.csv").open())}
     assert statuses == {"0": "unfinished", "1": "unfinished", "2": "ok"}
@@ -44,9 +41,7 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
 
 
 def test_the_command_refuses_a_directory_that_is_no_sweep(tmp_path: Path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "project.runs.summary", str(tmp_path)], capture_output=True, text=True, env=cli_env()
-    )
+    proc = run_python([sys.executable, "-m", "project.runs.summary", str(tmp_path)], tmp_path, cli_env())
     assert (
         proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no sweep jobs in it (directories with .hydra/)\n"
     )

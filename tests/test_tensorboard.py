@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, run_dirs
+from conftest import REPO, cli_env, run_dirs, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,7 @@ def logs(tmp_path_factory) -> Path:
     profile's size."""
     work = tmp_path_factory.mktemp("work")
     for args in (["model=mlp"], ["-m", "model=mlp", "seed=1,2"]):
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "train.py"), *args],
-            cwd=work,
-            env=cli_env(PROJECT_PROFILE="tiny"),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = run_python([sys.executable, str(REPO / "train.py"), *args], work, cli_env(PROJECT_PROFILE="tiny"))
         assert proc.returncode == 0, proc.stderr[-3000:]
     return work / "logs"
 
@@ -121,9 +114,7 @@ def test_hparams_shows_what_people_vary_with_the_real_final_metrics(server, logs
 
 def test_screenshots_need_chromium_and_say_so(logs, tmp_path):
     env = cli_env(PATH=str(tmp_path))  # no chromium on this PATH
-    proc = subprocess.run(
-        [sys.executable, "-m", "project.loggers.screenshots", str(logs)], env=env, capture_output=True, text=True
-    )
+    proc = run_python([sys.executable, "-m", "project.loggers.screenshots", str(logs)], tmp_path, env)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no Chromium found: install Debian's chromium")
 
 

@@ -93,9 +93,11 @@ def _one_console_output() -> None:
 
     if logging.getLogger().handlers:
         for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
-            for handler in list(logging.getLogger(name).handlers):
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
                 if type(handler) is logging.StreamHandler:
-                    logging.getLogger(name).removeHandler(handler)
+                    logger.removeHandler(handler)
+                    logger.propagate = True  # Lightning stopped it when it added its own: the root's handlers print
 
 
 def _error_line(error: BaseException) -> str:

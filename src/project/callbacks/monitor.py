@@ -3,8 +3,10 @@ to sweepers and writes as `best/<metric>`, and one clear line when a callback wa
 
 Lightning's own reports of a missing metric are a traceback from EarlyStopping and a list from ModelCheckpoint,
 each at its own moment. Here every watching callback (checkpoints, early stopping, Optuna pruning, this one) is
-checked at the moment that callback itself would look, first: this callback runs before them (build.trainer puts
-it first). The best value is read once per validation, never per step.
+checked at the moment that callback itself would look, first: this callback runs before them (the training task
+puts it first). An epoch that ran no step and no validation (a run resumed at an epoch's end) is not checked:
+nothing was logged in it, and early stopping is configured not to insist either (`strict: false`). The best
+value is read once per validation, never per step.
 """
 
 import math
@@ -28,6 +30,7 @@ class Monitor(L.Callback):
         self.metric, self.mode = metric, mode
         self.best: float | None = None
         self.best_epoch: int | None = None
+        self._steps = self._validations = 0  # this epoch's: a run resumed at an epoch's end has neither
 
     @property
     def state_key(self) -> str:
@@ -82,15 +85,22 @@ class Monitor(L.Callback):
         if math.isfinite(number) and better:
             self.best, self.best_epoch = number, trainer.current_epoch
 
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._steps += 1
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
+        self._validations += 1
         self._check(trainer, at_epoch_end=False)
         if not self._reads_at_epoch_end(trainer):
             self._update(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # also without a validation (a module without validation_step): checkpoints and early stopping look now
-        self._check(trainer, at_epoch_end=True)
-        if self._reads_at_epoch_end(trainer):
-            self._update(trainer)
+        # an epoch that ran nothing (resumed at its end, after its validation) has nothing new to look at
+        if self._steps or self._validations:
+            # also without a validation (a module without validation_step): checkpoints and early stopping look now
+            self._check(trainer, at_epoch_end=True)
+            if self._reads_at_epoch_end(trainer):
+                self._update(trainer)
+        self._steps = self._validations = 0

@@ -75,7 +75,7 @@ class PipelineStrategy(OneCheckpointFile):
         self.stages_per_rank = stages_per_rank if schedule == "interleaved_1f1b" else 1
         self.pp_group = None  # this rank's pipeline
         self.dp_group: Any = None  # the ranks that hold the same stages
-        self.plan: Split | None = None  # the net's stages (this rank keeps its own), made by parallelize()
+        self.mine: dict[bool, list[nn.Module]] | None = None  # this rank's stages (train, eval), by parallelize()
         self._foreign, self._order, self._param_order = set(), [], []  # see OneCheckpointFile
         self._runs: dict[tuple, st.Run] = {}
         self._metrics: dict[str, Any] = {}
@@ -144,24 +144,26 @@ class PipelineStrategy(OneCheckpointFile):
 
     def stages(self, train: bool) -> list[nn.Module]:
         """This rank's stages (one, or stages_per_rank with interleaved 1F1B) for training or evaluation."""
-        assert self.plan is not None, "cut in parallelize()"
-        return [self.plan.for_mode(train)[i] for i in self.stage_indices]
+        assert self.mine is not None, "cut in parallelize()"
+        return self.mine[train]
 
     def parallelize(self, net: nn.Module) -> None:
         """Cut `net` (called by the LightningModule's configure_model, or by setup for a module that does not) and
         keep this rank's stages: every other stage's parameters and buffers leave the net, so that state_dict
         holds this stage's keys under the full model's names. Idempotent."""
         module = self.lightning_module
-        if self.plan is not None or module is None:
+        if self.mine is not None or module is None:
             return
-        self.plan = self._plan(net)
-        st.check_cut(module, net, self.plan, self.pp_size, self.stages_per_rank)
+        plan = self._plan(net)
+        st.check_cut(module, net, plan, self.pp_size, self.stages_per_rank)
         self._order, self._param_order = list(module.state_dict()), [n for n, _ in module.named_parameters()]
-        st.keep_only(net, self.plan, self.stage_indices, first=self.is_first)
+        st.keep_only(net, plan, self.stage_indices, first=self.is_first)
+        # only this rank's stages are kept: the others (and with them the other ranks' layers) are freed
+        self.mine = {mode: [plan.for_mode(mode)[i] for i in self.stage_indices] for mode in (True, False)}
         self._foreign = set(self._order) - set(module.state_dict())
         rank_zero_info(
             f"trainer=pipeline: {self.num_stages} stages on {self.pp_size} processes per pipeline, "
-            f"{self.data_parallel} pipeline(s): {parallelize.describe(self.plan)}"
+            f"{self.data_parallel} pipeline(s): {parallelize.describe(plan)}"
         )
 
     def _plan(self, net: nn.Module) -> Split:

@@ -48,14 +48,25 @@ def check_cut(module: nn.Module, net: nn.Module, plan: Split, pp_size: int, stag
 
 
 def keep_only(net: nn.Module, plan: Split, mine: Sequence[int], first: bool) -> None:
-    """Drop from the net every parameter and buffer that only other ranks' stages use, so that this rank's
-    state_dict holds its own under the full model's names. What no stage uses stays on the first stage."""
+    """Drop from the net what only other ranks' stages use, so that this rank's state_dict holds its own under the
+    full model's names: a layer of another stage as a whole (so its _load_from_state_dict hooks, BatchNorm's, do
+    not ask for keys it no longer has), a tensor of another stage where a module's tensors are shared out. What no
+    stage uses stays on the first stage."""
     own = _tensors([s for i in mine for s in (plan.train[i], plan.eval[i])])
     used = _tensors([*plan.train, *plan.eval])
-    for module in net.modules():
+
+    def foreign(tensor: Tensor | None) -> bool:
+        return tensor is not None and id(tensor) not in own and (id(tensor) in used or not first)
+
+    for path, module in list(net.named_modules()):
+        tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        if path and not any(True for _ in module.children()) and tensors and all(map(foreign, tensors)):
+            parent, _, name = path.rpartition(".")
+            net.get_submodule(parent)._modules[name] = None
+            continue
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
-                if tensor is not None and id(tensor) not in own and (id(tensor) in used or not first):
+                if foreign(tensor):
                     table[name] = None
 
 

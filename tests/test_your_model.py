@@ -1,0 +1,108 @@
+"""The three ways to bring a model (README, Add your model), each through the whole template, at the test profile's
+sizes: a tutorial-style CNN of a user's package inside the classifier, a torchvision factory, and a LightningModule of
+another task (the autoencoder). One device: train, resume, eval, predict, export; ddp and fsdp on 2 CPU processes;
+pipe and pipeline for the LightningModule whose forward is the net (the nets inside the classifier run under pipe
+and pipeline in tests/test_pipe.py and tests/test_pipeline.py, equal to one device)."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_dirs
+
+from project.data.digit_images import write_digit_images
+
+pytestmark = pytest.mark.slow
+
+TINY = {"PROJECT_PROFILE": "tiny"}
+KINDS = {
+    # a user's own net in a package of theirs (tests/user_models.py): its checkpoints load where trusted
+    "tutorial_cnn": (["~model.net", "+model.net._target_=user_models.TutorialCNN"], ["trusted_packages=[user_models]"]),
+    "torchvision_resnet18": (["model=torchvision", "data.channels=3"], []),
+    "autoencoder": (["model=autoencoder"], []),
+}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("images")
+    write_digit_images(folder, per_class=3)
+    return folder
+
+
+def _trained(cli, cwd: Path, kind: str) -> Path:
+    model, _ = KINDS[kind]
+    cli("train.py", *model, "trainer.max_epochs=1", "logger=csv", env=TINY, cwd=cwd)
+    (run,) = run_dirs(cwd / "logs")
+    return run
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trains_resumes_evaluates_predicts_and_exports(cli, tmp_path, images, kind):
+    model, trust = KINDS[kind]
+    run = _trained(cli, tmp_path / "train", kind)
+    fit = json.loads((run / "fit_metrics.json").read_text())
+    monitor = "val/loss" if kind == "autoencoder" else "val/acc"  # the autoencoder picks its own
+    assert fit["status"] == "ok" and fit[f"best/{monitor}"] == pytest.approx(fit[monitor])
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+
+    cli("train.py", *model, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "stretch_schedule=true", *trust,
+        env=TINY, cwd=tmp_path / "resume")  # fmt: skip
+    (resumed,) = run_dirs(tmp_path / "resume" / "logs")
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1  # the second epoch
+
+    cli("eval.py", f"ckpt_path={best}", *trust, env=TINY, cwd=tmp_path / "eval")
+    (evaluated,) = run_dirs(tmp_path / "eval" / "logs", task="eval")
+    tested = json.loads((run / "test_metrics.json").read_text())
+    assert json.loads((evaluated / "test_metrics.json").read_text())["test/loss"] == pytest.approx(tested["test/loss"])
+
+    cli("predict.py", f"ckpt_path={best}", f"input={images}", *trust, env=TINY, cwd=tmp_path / "predict")
+    (predicted,) = run_dirs(tmp_path / "predict" / "logs", task="predict")
+    saved = torch.load(predicted / "predictions.pt", weights_only=True)
+    assert len(saved["files"]) == len(saved["outputs"]) == 30
+    with open(predicted / "predictions.csv") as f:
+        header = next(csv.reader(f))
+    if kind == "autoencoder":  # its predict_step: the 16 numbers of each image's code
+        assert header == ["file", *(f"output_{i}" for i in range(16))] and saved["outputs"].shape == (30, 16)
+    else:  # a classifier: class names and probabilities
+        assert header == ["file", "predicted", *(f"prob_{c}" for c in range(10))]
+        torch.testing.assert_close(saved["outputs"].sum(1), torch.ones(30))
+
+    cli("export.py", f"ckpt_path={best}", f"output={tmp_path / 'model.onnx'}", *trust, env=TINY, cwd=tmp_path / "x")
+    (exported,) = run_dirs(tmp_path / "x" / "logs", task="export")
+    summary = json.loads((exported / "export.json").read_text())
+    assert summary["max_abs_difference"] <= 1e-4 and (tmp_path / "model.onnx").is_file()
+    assert summary["output"]["name"] == ("output" if kind == "autoencoder" else "logits")
+
+
+def test_a_checkpoint_of_an_untrusted_package_is_refused_in_one_line(cli, tmp_path):
+    run = _trained(cli, tmp_path, "tutorial_cnn")
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    proc = cli("eval.py", f"ckpt_path={best}", check=False, env=TINY)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert "user_models.TutorialCNN" in line and "trusted_packages=[...]" in line
+
+
+STRATEGIES = {
+    "ddp": ["trainer=ddp", "trainer.accelerator=cpu"],
+    "fsdp": ["trainer=fsdp", "trainer.accelerator=cpu"],
+    "pipe": ["trainer=pipe"],
+    "pipeline": ["trainer=pipeline", "trainer.accelerator=cpu"],
+}
+RUNS = [(k, s) for k in KINDS for s in ("ddp", "fsdp")] + [("autoencoder", "pipe"), ("autoencoder", "pipeline")]
+
+
+@pytest.mark.parametrize(("kind", "strategy"), RUNS, ids=[f"{k}-{s}" for k, s in RUNS])
+def test_trains_under_the_strategy(cli, tmp_path, kind, strategy):
+    model, _ = KINDS[kind]
+    cli("train.py", *model, *STRATEGIES[strategy], "trainer.max_epochs=1", "test=false", env=TINY)
+    (run,) = run_dirs(tmp_path / "logs")
+    fit = json.loads((run / "fit_metrics.json").read_text())
+    assert fit["status"] == "ok" and fit["train/loss" if kind == "autoencoder" else "train/acc"] is not None
+    log = (run / "train.log").read_text()
+    if strategy == "fsdp":  # sharded by the policy: the repeated block, or the top-level layers
+        unit = {"tutorial_cnn": "Conv2d", "torchvision_resnet18": "BasicBlock x8", "autoencoder": "Linear x4"}[kind]
+        assert "fsdp: " in log and unit in log
