@@ -77,12 +77,38 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
     sweeps.remember_entry_script()
     try:
-        hydra_main()
-    except Exception as e:
-        user_error = user_error_in(e)
-        if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
-            raise
-        exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
+        try:
+            hydra_main()
+        except Exception as e:
+            user_error = user_error_in(e)
+            if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
+                raise
+            exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
+    except SystemExit as e:
+        _leave(e.code)
+    _leave(0)
+
+
+def _leave(code: Any) -> None:
+    """End the process as the interpreter would, without its last step: threads joined (threading's exit hooks
+    first, which stop joblib's workers), atexit handlers run (log files, temporary directories, child processes),
+    streams flushed; then exit. The step left out tears down every module torch and Lightning loaded, about 1.3 s
+    at the end of every run and of every rank's process (benchmarks/startup.py), and nothing here needs it."""
+    import atexit
+    import threading
+
+    status = code if isinstance(code, int) else 0 if code is None else 1
+    if not isinstance(code, (int, type(None))):
+        print(code, file=sys.stderr)
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # CPython's own first step at exit
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
 
 
 def _one_console_output() -> None:
