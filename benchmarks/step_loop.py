@@ -155,7 +155,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3, help="per fit; the first is left out")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for every loop alike")
     args = parser.parse_args()
+    # One thread: on 2 cores, two threads are stalled by anything else that runs, and the noise between rounds
+    # was larger than the differences measured; the ratios are what this figure is about.
+    torch.set_num_threads(args.threads)
     register()
     work = Path(tempfile.mkdtemp(prefix="bench-step-loop-"))
     results: dict[str, Any] = {

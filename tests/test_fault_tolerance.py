@@ -152,7 +152,7 @@ def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tm
     proc = train(tmp_path, *RUN, "model.optimizer.lr=1e12", "callbacks.last_checkpoint.every_n_steps=1", check=False)
     assert proc.returncode == 2
     (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert line.startswith("error: diverged at epoch 0, step ") and "trainer.gradient_clip_val" in line
+    assert line.startswith("error: diverged in epoch 0, between steps ") and "trainer.gradient_clip_val" in line
     (run,) = run_dirs(tmp_path / "logs")
     fit = json.loads((run / "fit_metrics.json").read_text())  # strict JSON: no NaN literal
     assert fit["status"] == "diverged"
@@ -165,7 +165,7 @@ def test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     proc = train(tmp_path, "-m", *RUN, "model.optimizer.lr=1e12,0.002", check=False)
     assert proc.returncode == 2
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
-    assert (sweep / "0" / "error.txt").read_text().startswith("diverged at epoch 0")
+    assert (sweep / "0" / "error.txt").read_text().startswith("diverged in epoch 0")
     assert json.loads((sweep / "1" / "fit_metrics.json").read_text())["status"] == "ok"
 
 

@@ -227,14 +227,21 @@ def _check_trainer_numbers(cfg: DictConfig) -> None:
             raise UserError(f"trainer.{key}={value}: must be at least {least}")
 
 
-def trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any], launch: Any = None) -> Any:
+def trainer(
+    cfg: DictConfig,
+    callbacks: list[Any],
+    loggers: list[Any],
+    launch: Any = None,
+    checks_every_n_steps: int = 20,
+    run_config: dict[str, Any] | None = None,
+) -> Any:
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
 
     _check_trainer_numbers(cfg)
 
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
-    callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends()
+    callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends(checks_every_n_steps, run_config)
     overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks)}
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
@@ -275,15 +282,15 @@ def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
     return {"strategy": FSDPStrategy()}
 
 
-def _how_a_run_ends() -> list[Any]:
+def _how_a_run_ends(checks_every_n_steps: int, run_config: dict[str, Any] | None) -> list[Any]:
     """On every run, whatever `callbacks=` says: they decide how a run stops and continues, not what it records.
-    A signal saves and exits 143 (not 0); a non-finite loss stops before the optimizer step; checkpoints carry
-    every rank's random state, so a resumed run draws what the unbroken one would have."""
-    from project.callbacks.divergence import StopOnDivergence
-    from project.callbacks.random_state import RandomState
-    from project.callbacks.signals import GracefulStop
+    A signal saves and exits 143 (not 0); a run that diverged stops and never writes a checkpoint after it
+    (project.callbacks.checks); checkpoints carry the run config and every rank's random state, so a resumed run
+    draws what the unbroken one would have (project.callbacks.run_state)."""
+    from project.callbacks.checks import RunChecks
+    from project.callbacks.run_state import RunState
 
-    return [GracefulStop(), StopOnDivergence(), RandomState()]
+    return [RunChecks(checks_every_n_steps), RunState(run_config)]
 
 
 def _plugins(cfg: DictConfig) -> dict[str, Any]:

@@ -30,7 +30,7 @@ class Monitor(L.Callback):
         self.metric, self.mode = metric, mode
         self.best: float | None = None
         self.best_epoch: int | None = None
-        self._steps = self._validations = 0  # this epoch's: a run resumed at an epoch's end has neither
+        self._validations = 0  # this epoch's
 
     @property
     def state_key(self) -> str:
@@ -85,9 +85,6 @@ class Monitor(L.Callback):
         if math.isfinite(number) and better:
             self.best, self.best_epoch = number, trainer.current_epoch
 
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._steps += 1
-
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -98,9 +95,10 @@ class Monitor(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # an epoch that ran nothing (resumed at its end, after its validation) has nothing new to look at
-        if self._steps or self._validations:
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if steps or self._validations:
             # also without a validation (a module without validation_step): checkpoints and early stopping look now
             self._check(trainer, at_epoch_end=True)
             if self._reads_at_epoch_end(trainer):
                 self._update(trainer)
-        self._steps = self._validations = 0
+        self._validations = 0

@@ -45,11 +45,14 @@ class ImageClassifier(L.LightningModule):
         self.monitor = monitor  # what a plateau scheduler watches: the run's monitor.metric
         self.criterion = nn.CrossEntropyLoss()
         # One metric object per split: their states must not mix (val runs inside the train epoch).
-        # A non-finite loss stops the run (project.callbacks.divergence); the metric need not warn about it too.
-        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="ignore") for _ in range(3))
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        # A non-finite loss stops the run (project.callbacks.checks); the metric need not look for NaN too, which it
+        # would do with a host sync on every update.
+        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
+        # validate_args=False: predictions are argmax indices of our own logits; the checks cost a torch.unique
+        # (and on a GPU a host sync) per update
+        self.train_acc, self.val_acc, self.test_acc = (
+            MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False) for _ in range(3)
+        )
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in checkpoints, so a resumed run still knows its best
 
@@ -74,14 +77,23 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         return self.criterion(logits, y), logits.argmax(dim=1), y
 
+    def _loggers_write_this_step(self) -> bool:
+        """Whether Lightning's loggers write this training step (every trainer.log_every_n_steps)."""
+        trainer = self._trainer
+        if trainer is None:
+            return True
+        return bool(trainer._logger_connector.should_update_logs or getattr(trainer, "fast_dev_run", 0))
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, preds, y = self._shared_step(batch)
-        # One self.log per step: the metrics are only updated here (a metric's forward would also compute a
-        # per-batch value) and logged once an epoch. On a 3 ms step each log call is a visible cost
-        # (benchmarks/step_loop.py).
+        # The metrics are only updated here (a metric's forward would also compute a per-batch value) and logged
+        # once an epoch; the step's loss is logged only on the steps the loggers write: a self.log call costs a
+        # good part of a millisecond (benchmarks/step_loop.py). Not in the progress bar: Lightning would read it
+        # from the device at every step (a host sync per step).
         self.train_loss.update(loss.detach())
         self.train_acc.update(preds, y)
-        self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        if self._loggers_write_this_step():
+            self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False)
         return loss
 
     def on_train_epoch_end(self) -> None:
@@ -95,11 +107,12 @@ class ImageClassifier(L.LightningModule):
         loss, preds, y = self._shared_step(batch)
         self.val_loss.update(loss)
         self.val_acc.update(preds, y)
-        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
         return {"preds": preds, "target": y}  # for callbacks: the confusion matrix, the sample grid
 
     def on_validation_epoch_end(self) -> None:
+        # logged once, as metric objects: Lightning computes them over the epoch (synced over ranks) and resets them
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/acc", self.val_acc, prog_bar=True)
         if self.trainer.sanity_checking:  # a look at untrained (or just restored) weights: not a result
             return
         self.val_acc_best(self.val_acc.compute())
@@ -110,8 +123,10 @@ class ImageClassifier(L.LightningModule):
         loss, preds, y = self._shared_step(batch)
         self.test_loss.update(loss)
         self.test_acc.update(preds, y)
-        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
-        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/loss", self.test_loss)
+        self.log("test/acc", self.test_acc)
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...] | list[Tensor], batch_idx: int) -> Tensor:
         """Class probabilities (N, num_classes) for a batch of images, alone or first of a tuple (images with

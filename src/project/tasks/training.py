@@ -7,9 +7,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from project import build
-from project.callbacks.divergence import DivergedError
+from project.callbacks.checks import DivergedError
 from project.callbacks.monitor import Monitor, best_key
-from project.callbacks.run_config import RunConfigInCheckpoints
 from project.callbacks.schedule import StretchSchedule
 from project.config.schema import check_config
 from project.launch import environment, sweeps
@@ -53,9 +52,9 @@ def train(cfg: DictConfig) -> float | None:
     # loadable with weights_only=True; the module's own hyperparameters stay its own.
     run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     monitor = Monitor(cfg.monitor.metric, cfg.monitor.mode)
-    callbacks = [monitor, *build.named(cfg.callbacks, "callbacks"), *run_callbacks, RunConfigInCheckpoints(run_config)]
+    callbacks = [monitor, *build.named(cfg.callbacks, "callbacks"), *run_callbacks]
     loggers = build.named(cfg.logger, "logger")
-    trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch)
+    trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch, cfg.checks.every_n_steps, run_config)
     objective = cfg.optimized_metric or best_key(cfg.monitor.metric)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         return sweeps.run_job_in_fresh_process(objective)

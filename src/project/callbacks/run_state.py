@@ -1,4 +1,9 @@
-"""Every rank's random-number state in the checkpoint, restored just before the first resumed batch.
+"""What every checkpoint of this project carries beyond Lightning's: the run's resolved config and every rank's
+random-number state (one callback: each callback costs every step a few microseconds of Lightning's hook calls).
+
+The config, under its own key, is what rebuilds the model and its data later (eval.py, predict.py, export.py),
+whatever the LightningModule keeps as its own hyperparameters; plain containers only, so every checkpoint loads
+with torch.load(weights_only=True).
 
 Lightning's checkpoints hold no random state, so a resumed run draws other dropout masks (and, without a
 seeded order, another shuffle) than the run it continues. Saved per rank (ranks draw different masks); put
@@ -13,6 +18,8 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+
+from project.runs.checkpoints import CONFIG_KEY
 
 
 def _capture(device: torch.device) -> dict[str, Any]:
@@ -44,12 +51,18 @@ def _restore(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-class RandomState(L.Callback):
-    """Saves torch, numpy, Python and CUDA random states of every rank; restores each rank's own on resume."""
+class RunState(L.Callback):
+    """Saves the run `config` (if given) and the torch, numpy, Python and CUDA random states of every rank;
+    restores each rank's own random state on resume."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self.config = config
         self._loaded: list[dict[str, Any]] | None = None
         self._trainer: L.Trainer | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.config is not None:
+            checkpoint[CONFIG_KEY] = self.config
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer

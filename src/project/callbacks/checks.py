@@ -1,0 +1,174 @@
+"""What stops a run: a loss or a weight that is no longer finite, and a stop signal (SIGTERM, SIGINT, and SIGUSR1
+outside SLURM's requeue). Checked without a host sync or a collective per step.
+
+Each step adds its loss to a running sum on the device (not finite once any loss was not). Every `every_n_steps`
+optimizer steps, at every epoch's end, before every checkpoint save and at the end of fit, the ranks agree in one
+collective on three numbers (the losses' sum, a check of the weights, a signal), and that is the only host sync of
+these checks. So:
+- a run that diverged stops at the latest `every_n_steps` steps later, and never writes a checkpoint after it
+  diverged: the last checkpoint saved stays the last good one. It says where it went wrong (the steps since the
+  last agreement; the loss or the weights; the last finite loss), what to change, exits 2, and leaves
+  fit_metrics.json as valid JSON (`"status": "diverged"`). Non-finite gradients show up in the weights after the
+  step; with fp16 mixed precision the loss scaler skips such steps, and the weights stay finite.
+- a signal to any rank stops every rank at the same step, at the latest `every_n_steps` steps later: each saves
+  last.ckpt (a sharded checkpoint needs all of them), the metrics so far are written (`"status": "interrupted"`),
+  one line says where to continue from, and the process exits 128 + the signal's number (SIGTERM: 143).
+
+Lightning's own SIGTERM handler exits 0 (a scheduler reads a killed run as a success) and broadcasts from inside
+the handler, which hangs DDP when a rank other than 0 is signalled; here the handler only records the signal. The
+handlers are installed in `on_train_start`, after Lightning's; Lightning puts back the ones from before the run.
+"""
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+
+from project.errors import UserError
+from project.runs.results import write_metrics
+
+
+class DivergedError(UserError):
+    """The run diverged; the message says where and what to change."""
+
+
+def _environment(trainer: L.Trainer) -> Any:
+    """The cluster environment Lightning's own signal handling looks at (single-device strategies have none)."""
+    return trainer._accelerator_connector.cluster_environment
+
+
+def _requeued_by_lightning(trainer: L.Trainer) -> bool:
+    """SLURM with Lightning's requeue: SIGUSR1 keeps Lightning's handler (checkpoint, scontrol requeue)."""
+    environment = _environment(trainer)
+    return type(environment).__name__ == "SLURMEnvironment" and bool(getattr(environment, "auto_requeue", False))
+
+
+def _finite(tensors: list[Any]) -> torch.Tensor | None:
+    """One device bool: every element of every tensor is finite (a sum of norms is inf or nan when any is)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP's DTensors: this rank's shard
+    local = [t for t in local if t.numel()]
+    if not local:
+        return None
+    return torch.stack([n.float() for n in torch._foreach_norm(local)]).sum().isfinite()
+
+
+class RunChecks(L.Callback):
+    """See the module docstring. `every_n_steps`: optimizer steps between the ranks' agreements (config:
+    `checks.every_n_steps`)."""
+
+    def __init__(self, every_n_steps: int = 20) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps}: must be >= 1")
+        self.every_n_steps = every_n_steps
+        self.signum = 0
+        # On the device, never read per step: the sum of the losses since the run started, and the last one.
+        self._losses: torch.Tensor | None = None
+        self._last: torch.Tensor | None = None
+        self._last_finite: float | None = None  # the loss at the last agreement
+        self._agreed_at = 0  # the global step of the last agreement: the run was sound up to there
+        self._stopping = False
+
+    # ------------------------------------------------------------ per step: one addition on the device
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            # a sum of the losses is not finite once any of them was not: one addition a step, on the device
+            loss = loss.detach().float().sum()
+            self._losses = loss if self._losses is None else self._losses + loss
+            self._last = loss
+        step = trainer.global_step
+        if step % self.every_n_steps == 0 and step != self._agreed_at:
+            self._agree(trainer, pl_module, signals=True)
+
+    # ------------------------------------------------------------ where the ranks agree
+
+    def _agree(self, trainer: L.Trainer, pl_module: L.LightningModule, signals: bool) -> None:
+        """One collective of three numbers and one host sync: diverged anywhere (a loss, a weight)? a signal
+        anywhere? Then act. `signals=False` (inside a checkpoint save): divergence only."""
+        if self._stopping:
+            return
+        device = trainer.strategy.root_device
+        weights = _finite([p.detach() for p in pl_module.parameters()])
+        losses = self._losses.isfinite() if self._losses is not None else None
+        flags = [torch.ones((), device=device) if f is None else f.to(device, torch.float32) for f in (losses, weights)]
+        last = self._last.to(device) if self._last is not None else torch.zeros((), device=device)
+        found = torch.stack(
+            [1 - flags[0], 1 - flags[1], torch.tensor(float(self.signum if signals else 0), device=device)]
+        )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        bad_loss, bad_weights, signum, last_loss = [*found.tolist(), float(last)]
+        if bad_loss or bad_weights:
+            self._stopping = True
+            raise self._diverged(trainer, "loss" if bad_loss else "weights")
+        self._agreed_at, self._last_finite = trainer.global_step, last_loss
+        if signum:
+            self._stopping = True
+            self._stop(trainer, int(signum))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._agree(trainer, pl_module, signals=True)  # before the epoch's checkpoints
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._agree(trainer, pl_module, signals=False)  # a checkpoint is never written after the run diverged
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._agree(trainer, pl_module, signals=False)
+
+    # ------------------------------------------------------------ what happens then
+
+    def _diverged(self, trainer: L.Trainer, what: str) -> DivergedError:
+        last = "none yet" if self._last_finite is None else f"{self._last_finite:.4g}"
+        checkpoints = sorted(Path(trainer.default_root_dir).glob("checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
+        kept = f"the last good checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was saved yet"
+        return DivergedError(
+            f"diverged in epoch {trainer.current_epoch}, between steps {self._agreed_at} and {trainer.global_step}: "
+            f"the {what} stopped being finite (last finite loss: {last}); lower the learning rate "
+            f"(model.optimizer.lr) or clip gradients (trainer.gradient_clip_val=1.0); {kept}"
+        )
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.signum = signum  # nothing else inside a handler: no I/O, no collective
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        signals = [signal.SIGTERM, signal.SIGINT]
+        if not _requeued_by_lightning(trainer):
+            signals.append(signal.SIGUSR1)
+        for signum in signals:
+            signal.signal(signum, self._handler)
+        # Lightning's epoch loop broadcasts rank 0's SIGTERM flag every step (a collective and a host sync per
+        # step); SIGTERM is ours now, agreed every every_n_steps, so its flag is never set: the broadcast goes.
+        trainer.fit_loop.epoch_loop.__dict__["_broadcast_sigterm_tensor"] = lambda: None
+
+    def _stop(self, trainer: L.Trainer, signum: int) -> None:
+        path = _last_checkpoint(trainer)
+        trainer.save_checkpoint(path)  # every rank: a sharded checkpoint needs all of them
+        write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="interrupted")
+        name = signal.Signals(signum).name
+        if trainer.is_global_zero:
+            print(
+                f"stopped by {name} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}; "
+                f"continue with ckpt_path={path}",
+                file=sys.stderr,
+            )
+        # Ranks that Lightning's launcher started end quietly: rank 0 reports the stop, and a child's non-zero
+        # exit would make the launcher kill rank 0 before it has finished saving.
+        child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
+        raise SystemExit(0 if child else 128 + signum)
+
+
+def _last_checkpoint(trainer: L.Trainer) -> str:
+    """Where resume looks: the LastCheckpoint callback's last.ckpt, or <run>/checkpoints/last.ckpt."""
+    from project.callbacks.checkpoint import LastCheckpoint
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, LastCheckpoint):
+            return str(callback.path)
+    return str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
