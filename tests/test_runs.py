@@ -51,3 +51,32 @@ def test_seed_null_after_a_seeded_job_is_unseeded():
         assert "PL_GLOBAL_SEED" not in os.environ  # no rank or later process inherits seed 1
         draws.append((torch.rand(3).tolist(), random.random()))
     assert draws[0] != draws[1]
+
+
+def test_a_resumed_run_reads_its_checkpoint_once(make_cfg, tmp_path, monkeypatch):
+    """One CRC pass and one load, for every check before the run and for Lightning's restore."""
+    import zipfile
+
+    from project.tasks.training import train
+
+    first = make_cfg("model=mlp", "profile=tiny", "trainer.max_epochs=1", "logger=none")
+    train(first)
+    last = tmp_path / "out" / "checkpoints" / "last.ckpt"
+    moved = tmp_path / "last.ckpt"
+    last.rename(moved)  # the resumed run writes into the same out/, which must hold no checkpoints
+    for path in (tmp_path / "out" / "checkpoints").glob("*.ckpt"):
+        path.unlink()
+    loads, crcs = [], []
+    real_load, real_testzip = torch.load, zipfile.ZipFile.testzip
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: loads.append(str(f)) or real_load(f, *a, **k))
+    monkeypatch.setattr(zipfile.ZipFile, "testzip", lambda self: crcs.append(self.filename) or real_testzip(self))
+    resumed = make_cfg(
+        "model=mlp",
+        "profile=tiny",
+        "trainer.max_epochs=2",
+        "logger=none",
+        f"ckpt_path={moved}",
+        "stretch_schedule=true",
+    )
+    train(resumed)
+    assert loads.count(str(moved)) == 1 and crcs.count(str(moved)) == 1, (loads, crcs)

@@ -3,8 +3,8 @@ outside SLURM's requeue). Checked without a host sync or a collective per step.
 
 Each step adds its loss to a running sum on the device (not finite once any loss was not). Every `every_n_steps`
 optimizer steps, at every epoch's end, before every checkpoint save and at the end of fit, the ranks agree in one
-collective on three numbers (the losses' sum, a check of the weights, a signal), and that is the only host sync of
-these checks. So:
+collective on four numbers (the losses' sum, a check of the weights, a signal, the last loss), and that is the only
+host sync of these checks. So:
 - a run that diverged stops at the latest `every_n_steps` steps later, and never writes a checkpoint after it
   diverged: the last checkpoint saved stays the last good one. It says where it went wrong (the steps since the
   last agreement; the loss or the weights; the last finite loss), what to change, exits 2, and leaves
@@ -87,8 +87,8 @@ class RunChecks(L.Callback):
     # ------------------------------------------------------------ where the ranks agree
 
     def _agree(self, trainer: L.Trainer, pl_module: L.LightningModule, signals: bool) -> None:
-        """One collective of three numbers and one host sync: diverged anywhere (a loss, a weight)? a signal
-        anywhere? Then act. `signals=False` (inside a checkpoint save): divergence only."""
+        """One collective of four numbers and one host sync: diverged anywhere (a loss, a weight)? a signal
+        anywhere? (and the last loss, for the report). Then act. `signals=False` (inside a save): divergence only."""
         if self._stopping:
             return
         device = trainer.strategy.root_device
@@ -96,19 +96,18 @@ class RunChecks(L.Callback):
         losses = self._losses.isfinite() if self._losses is not None else None
         flags = [torch.ones((), device=device) if f is None else f.to(device, torch.float32) for f in (losses, weights)]
         last = self._last.to(device) if self._last is not None else torch.zeros((), device=device)
-        found = torch.stack(
-            [1 - flags[0], 1 - flags[1], torch.tensor(float(self.signum if signals else 0), device=device)]
-        )
+        signum = torch.tensor(float(self.signum if signals else 0), device=device)
+        found = torch.stack([1 - flags[0], 1 - flags[1], signum, last])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        bad_loss, bad_weights, signum, last_loss = [*found.tolist(), float(last)]
+        bad_loss, bad_weights, signum_found, last_loss = found.tolist()  # the one host sync
         if bad_loss or bad_weights:
             self._stopping = True
             raise self._diverged(trainer, "loss" if bad_loss else "weights")
-        self._agreed_at, self._last_finite = trainer.global_step, last_loss
-        if signum:
+        self._agreed_at, self._last_finite = trainer.global_step, last_loss  # the largest over the ranks
+        if signum_found:
             self._stopping = True
-            self._stop(trainer, int(signum))
+            self._stop(trainer, int(signum_found))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._agree(trainer, pl_module, signals=True)  # before the epoch's checkpoints

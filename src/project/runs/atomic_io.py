@@ -51,7 +51,19 @@ def write_atomically(checkpoint: dict[str, Any], target: Path) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Local paths: written atomically. Others (`s3://...`, storage options): Lightning's."""
+    """Local paths: written atomically. Others (`s3://...`, storage options): Lightning's. A checkpoint the run
+    already read (`hand_over`) is not read again when Lightning restores it."""
+
+    _handed: tuple[Path, dict] | None = None
+
+    def hand_over(self, path: str, checkpoint: dict) -> None:
+        self._handed = (Path(path).expanduser().resolve(), checkpoint)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        handed, self._handed = self._handed, None
+        if handed is not None and "://" not in str(path) and Path(path).expanduser().resolve() == handed[0]:
+            return handed[1]
+        return super().load_checkpoint(path, *args, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if "://" in str(path) or storage_options is not None:

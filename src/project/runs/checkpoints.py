@@ -217,13 +217,19 @@ def load_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
     return model, config
 
 
-def check_weights_fit(path: str, model: Any) -> None:
+def read(path: str) -> dict:
+    """A checkpoint to continue from, read once: its CRC checked (check_readable), then loaded weights-only with
+    its tensors mapped from the file rather than read (mmap), for every check before a run and for Lightning's
+    restore (project.runs.atomic_io hands Lightning this dict)."""
+    return load(check_readable(path), mmap=True)
+
+
+def check_weights_fit(path: str, ckpt: dict, model: Any) -> None:
     """A checkpoint to continue from must hold weights of this model's shapes, or Lightning's restore fails
     deep in load_state_dict."""
-    p = check_readable(path)
-    if is_sharded(p):
+    if is_sharded(Path(path).expanduser()):
         return
-    stored = load(p, mmap=True).get("state_dict") or {}
+    stored = ckpt.get("state_dict") or {}
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in stored.items() if hasattr(v, "shape")}
     if shapes != found:
@@ -231,13 +237,11 @@ def check_weights_fit(path: str, model: Any) -> None:
         raise UserError(f"ckpt_path={path}: its weights do not fit this run's model ({different[:3]}); use its config")
 
 
-def check_resumable(path: str) -> None:
+def check_resumable(path: str, ckpt: dict) -> None:
     """The parts of a checkpoint Lightning restores when training continues, present and of the right kind:
     otherwise Lightning fails deep inside the restore with a KeyError or an AttributeError."""
-    p = check_readable(path)
-    if is_sharded(p):
+    if is_sharded(Path(path).expanduser()):
         return  # the strategy's distributed checkpoint loader checks its shards itself
-    ckpt = load(p, mmap=True)
     expected = {"epoch": int, "global_step": int, "state_dict": dict, "loops": dict, "optimizer_states": list}
     for key, kind in expected.items():
         if not isinstance(ckpt.get(key), kind):

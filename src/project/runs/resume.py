@@ -57,14 +57,13 @@ def resume_point(run_dir: Path, restarted: bool, ckpt_path: str | None) -> str |
     return ckpt_path
 
 
-def schedule_length(path: str, model_cfg: Any, stretch: bool) -> int | None:
+def schedule_length(path: str, ckpt: dict, model_cfg: Any, stretch: bool) -> int | None:
     """The new length to stretch a restored schedule to, or None to restore it as saved. A cosine schedule
     keeps the T_max it was started with: resuming with more epochs would train them past its end, so without
     `stretch_schedule=true` a different length stops the run with the choices."""
     from omegaconf import OmegaConf
 
-    p = checkpoints.check_readable(path)
-    stored = [s.get("T_max") for s in checkpoints.load(p, mmap=True).get("lr_schedulers") or [] if isinstance(s, dict)]
+    stored = [s.get("T_max") for s in ckpt.get("lr_schedulers") or [] if isinstance(s, dict)]
     wanted = OmegaConf.select(model_cfg, "scheduler.T_max")
     if not stored or stored[0] is None or wanted is None or stored[0] == wanted:
         return None
@@ -81,14 +80,12 @@ def schedule_length(path: str, model_cfg: Any, stretch: bool) -> int | None:
     )
 
 
-def check_same_model(path: str, model_cfg: Any) -> None:
+def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
     """Resuming with another architecture fails deep in load_state_dict; say which config differs instead."""
     from omegaconf import OmegaConf
 
-    p = checkpoints.check_readable(path)
-    ckpt = checkpoints.load(p, mmap=True)
-    config = checkpoints.run_config(p, ckpt)
-    checkpoints.check_resumable(path)
+    config = checkpoints.run_config(Path(path), ckpt)
+    checkpoints.check_resumable(path, ckpt)
     current = OmegaConf.to_container(model_cfg, resolve=True)
     assert isinstance(current, dict)
     for key in ("_target_", "net"):

@@ -34,9 +34,11 @@ def train(cfg: DictConfig) -> float | None:
     set_matmul_precision(cfg.float32_matmul_precision)
     ckpt_path = resume.resume_point(output_dir, environment.restarted(), cfg.ckpt_path)
     run_callbacks = []
+    resumed: dict = {}
     if ckpt_path:
-        resume.check_same_model(ckpt_path, cfg.model)
-        stretched = resume.schedule_length(ckpt_path, cfg.model, cfg.stretch_schedule) if cfg.train else None
+        resumed = checkpoints.read(ckpt_path)  # read once: for these checks and for Lightning's restore
+        resume.check_same_model(ckpt_path, resumed, cfg.model)
+        stretched = resume.schedule_length(ckpt_path, resumed, cfg.model, cfg.stretch_schedule) if cfg.train else None
         if stretched is not None:
             run_callbacks.append(StretchSchedule(stretched))
         if cfg.train:
@@ -47,7 +49,7 @@ def train(cfg: DictConfig) -> float | None:
     contract.check(model, datamodule, test=cfg.test)
     contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))
     if ckpt_path:
-        checkpoints.check_weights_fit(ckpt_path, model)
+        checkpoints.check_weights_fit(ckpt_path, resumed, model)
     # Every checkpoint carries the plain run config (project.runs.checkpoints.load_model rebuilds the model from it),
     # loadable with weights_only=True; the module's own hyperparameters stay its own.
     run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -58,6 +60,9 @@ def train(cfg: DictConfig) -> float | None:
     objective = cfg.optimized_metric or best_key(cfg.monitor.metric)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         return sweeps.run_job_in_fresh_process(objective)
+    hand_over = getattr(trainer.strategy.checkpoint_io, "hand_over", None)
+    if ckpt_path and hand_over is not None:
+        hand_over(ckpt_path, resumed)
     for logger in loggers:  # the run config beside the module's own hyperparameters (TensorBoard's HParams view)
         logger.log_hyperparams(run_config)
 

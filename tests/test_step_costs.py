@@ -1,0 +1,44 @@
+"""What the template adds to a training step: no collective and no host sync of its own, except the one agreement
+every checks.every_n_steps steps (project.callbacks.checks). Counted on both ranks of a real ddp run by
+tests/probes.py's SyncCounter, which wraps torch.distributed's calls and the tensor methods that read a value back
+to the host, and names who made each call (this project's src/, Lightning, torchmetrics)."""
+
+import collections
+import json
+
+import pytest
+from conftest import run_dirs
+
+pytestmark = pytest.mark.slow
+
+EVERY = 5
+
+
+def test_a_ddp_step_makes_no_collective_and_no_host_sync_of_the_templates_between_agreements(cli, tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    cli(
+        "train.py",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "model=mlp",
+        "trainer.max_epochs=1",
+        "+trainer.limit_train_batches=23",
+        "test=false",
+        f"checks.every_n_steps={EVERY}",
+        "+callbacks.sync._target_=probes.SyncCounter",
+        env={"PROBE_DIR": str(probe)},
+    )
+    (run,) = run_dirs(tmp_path / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "ok"
+    for rank in (0, 1):
+        events = json.loads((probe / f"syncs_rank{rank}.json").read_text())
+        in_steps = [e for e in events if e["step"] >= 0]
+        assert {e["step"] for e in in_steps} >= set(range(20))  # the probe saw the steps
+        ours = [e for e in in_steps if e["origin"] == "template"]
+        # the only ones: the agreement at the end of every EVERY-th step (the probe names a step by its start)
+        assert {e["step"] for e in ours} == {s for s in range(23) if (s + 1) % EVERY == 0}, ours
+        per_step = collections.Counter((e["step"], e["kind"]) for e in ours)
+        assert set(per_step.values()) == {1}  # one collective and one host sync each time
+        # Lightning's own per-step broadcast of rank 0's SIGTERM flag is off: signals are agreed as above
+        assert not [e for e in in_steps if e["kind"] == "collective" and e["origin"] == "lightning"]
