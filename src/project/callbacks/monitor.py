@@ -31,6 +31,7 @@ class Monitor(L.Callback):
         self.best: float | None = None
         self.best_epoch: int | None = None
         self._validations = 0  # this epoch's
+        self._started_at: int | None = None  # the epoch's completed batches when it started (a resume restores them)
 
     @property
     def state_key(self) -> str:
@@ -85,6 +86,9 @@ class Monitor(L.Callback):
         if math.isfinite(number) and better:
             self.best, self.best_epoch = number, trainer.current_epoch
 
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started_at = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -95,10 +99,11 @@ class Monitor(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # an epoch that ran nothing (resumed at its end, after its validation) has nothing new to look at
-        steps = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        completed = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        steps = completed - (self._started_at if self._started_at is not None else completed)
         if steps or self._validations:
             # also without a validation (a module without validation_step): checkpoints and early stopping look now
             self._check(trainer, at_epoch_end=True)
             if self._reads_at_epoch_end(trainer):
                 self._update(trainer)
-        self._validations = 0
+        self._validations, self._started_at = 0, None
