@@ -1,8 +1,8 @@
 """The peer: ashleve/lightning-hydra-template, the popular Lightning + Hydra template, run as its README says
 (`python src/train.py ...`) on our digits. It is not a dependency of this project.
 
-Where it comes from, first found wins: $PEER_SRC (a checkout), $PEER_GIT_DIR (a git directory, such as the
-tool library's mirror), or `git clone` from GitHub. It runs in a venv of its own ($PEER_VENV, default
+Where it comes from, first found wins: $PEER_SRC (a checkout), $PEER_GIT_DIR (a bare git directory, a
+mirror), or `git clone` from GitHub. It runs in a venv of its own ($PEER_VENV, default
 ~/.cache/bench-peer/venv) that sees our .venv's packages and adds the two it needs that we do not have,
 `rootutils` and `hydra-colorlog`; `make bench-peer` makes that venv:
 
@@ -26,7 +26,6 @@ from pathlib import Path
 from digits_idx import write_digits_idx
 
 URL = "https://github.com/ashleve/lightning-hydra-template"
-MIRROR = Path("/work/.mirror/ashleve+lightning-hydra-template/repo")
 VENV = Path(os.environ.get("PEER_VENV", Path.home() / ".cache" / "bench-peer" / "venv"))
 NEEDS = ("rootutils", "hydra-colorlog")
 
@@ -78,8 +77,8 @@ def _source(into: Path) -> tuple[Path, str] | str:
         src = Path(os.environ["PEER_SRC"])
         shutil.copytree(src, into, ignore=shutil.ignore_patterns(".git", "logs", "data"))
         return into, _git(["-C", str(src), "rev-parse", "HEAD"]) or "unknown"
-    git_dir = Path(os.environ.get("PEER_GIT_DIR", MIRROR))
-    if git_dir.is_dir():
+    git_dir = Path(os.environ["PEER_GIT_DIR"]) if os.environ.get("PEER_GIT_DIR") else None
+    if git_dir is not None and git_dir.is_dir():
         into.mkdir(parents=True)
         archive = subprocess.run(["git", "--git-dir", str(git_dir), "archive", "HEAD"], capture_output=True)
         if archive.returncode == 0:

@@ -152,6 +152,9 @@ class KillAt(L.Callback):
             (probe_dir() / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if "PROBE_DIR" in os.environ and trainer.global_step == 1:  # each rank's random state, read without drawing
+            state = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
+            (probe_dir() / f"rng_{trainer.global_rank}").write_text(f"{state} {batch[1].tolist()}")
         time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
         kill_at = os.environ.get("KILL_AT_STEP")
         if kill_at is not None and trainer.global_step == int(kill_at):
@@ -272,3 +275,26 @@ class SyncCounter(L.Callback):
         for owner, name, original in self._undo:
             setattr(owner, name, original)
         (probe_dir() / f"syncs_rank{trainer.global_rank}.json").write_text(json.dumps(self.events))
+
+
+class SignalAt(L.Callback):
+    """$SIGNAL_AT=last_validation|test: this process sends itself SIGTERM as the last epoch's validation or the
+    test starts its first batch (a scheduler's stop at a point between training steps, deterministically)."""
+
+    def on_validation_batch_start(self, trainer, pl_module, *args) -> None:
+        last = trainer.current_epoch == trainer.max_epochs - 1
+        if os.environ.get("SIGNAL_AT") == "last_validation" and last and not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_test_batch_start(self, trainer, pl_module, *args) -> None:
+        if os.environ.get("SIGNAL_AT") == "test":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class NanGradientAt(L.Callback):
+    """$NAN_GRAD_AT_STEP=<k>: at step k one gradient becomes NaN while the loss stays finite (what a bad batch
+    or an overflow in backward does): only the weights, after the optimizer's step, show it."""
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == int(os.environ.get("NAN_GRAD_AT_STEP", "-1")):
+            next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(float("nan"))

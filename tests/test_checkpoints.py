@@ -60,6 +60,17 @@ def hostile_models(tmp: Path) -> dict[str, dict]:
         "reexport": net("project.models.classifier.MeanMetric"),  # imported into an allowed module, defined outside
         "huge": net("torch.nn.Linear", in_features=10**6, out_features=10**6),  # 4 TB, unless checked on meta
         "not_a_lightning_module": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
+        # importing and hub targets nested inside an allowed net's config
+        "nested_hub": net(
+            "project.models.mlp.MLP",
+            hidden={"_target_": "torch.hub.load", "repo_or_dir": str(hub), "model": "x", "source": "local"},
+        ),
+        "nested_import": net(
+            "torch.nn.Sequential", _args_=[{"_target_": "torch.nn.Sequential"}, {"_target_": "evil.Net"}]
+        ),
+        "nested_import_module": net(
+            "project.models.mlp.MLP", hidden={"_target_": "importlib.import_module", "name": "evil"}
+        ),
     }
 
 
@@ -87,6 +98,9 @@ def hostile_dir(tmp_path, monkeypatch):
         "walk",
         "reexport",
         "huge",
+        "nested_hub",
+        "nested_import",
+        "nested_import_module",
     ],
 )
 def test_a_hostile_checkpoint_is_refused_and_runs_nothing(hostile_dir, name):
@@ -98,6 +112,20 @@ def test_a_hostile_checkpoint_is_refused_and_runs_nothing(hostile_dir, name):
     assert "\n" not in str(info.value)
     assert list(hostile_dir.rglob("*.pwned")) == []
     assert "evil" not in sys.modules
+
+
+def test_a_checkpoint_cannot_claim_more_memory_than_it_stores(tmp_path):
+    """Expanded (stride 0) tensors of a million-wide layer in a small file: refused before anything is built."""
+    model = {**MLP_MODEL, "net": {"_target_": "project.models.mlp.MLP", "hidden": [1_000_000]}}
+    state = {
+        "net.layers.0.weight": torch.zeros(1).expand(1_000_000, 784),
+        "net.layers.0.bias": torch.zeros(1).expand(1_000_000),
+    }
+    path = tmp_path / "claims.ckpt"
+    torch.save({"hyper_parameters": {"model": model}, "state_dict": state}, path)
+    assert path.stat().st_size < 10_000
+    with pytest.raises(UserError, match=r"claims 3,136,000,000 bytes but stores 4 .*refused"):
+        load_model(str(path))
 
 
 class Exploit:

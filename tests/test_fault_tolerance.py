@@ -73,10 +73,37 @@ def test_a_run_killed_at_any_step_resumes_bit_for_bit(tmp_path, unbroken, kill_a
     assert_same_weights(weights(resumed), unbroken)
 
 
+def test_a_run_resumed_twice_within_one_epoch_resumes_bit_for_bit(tmp_path, unbroken):
+    """The loader's position survives two resumes in one epoch (a position count restarted at 0 replays data)."""
+    train(tmp_path / "first", *RUN, env={"KILL_AT_STEP": "5"}, check=False)
+    (first,) = run_dirs(tmp_path / "first" / "logs")
+    second = train(
+        tmp_path / "second",
+        *RUN,
+        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        env={"KILL_AT_STEP": "7"},
+        check=False,
+    )
+    assert second.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "second" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 6  # epoch 0 of 8 steps
+    train(tmp_path / "third", *RUN, f"ckpt_path={last}")
+    (third,) = run_dirs(tmp_path / "third" / "logs")
+    assert_same_weights(weights(third), unbroken)
+
+
 def test_ddp_killed_mid_epoch_resumes_bit_for_bit(tmp_path):
+    """Each rank draws its own random stream (dropout) from the seed, over one shared data order; resume
+    restores each rank's own state (restoring rank 0's on both would change rank 1's masks, and the weights)."""
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
-    train(tmp_path / "unbroken", *ddp)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    train(tmp_path / "unbroken", *ddp, env={"PROBE_DIR": str(probe)})
     (whole,) = run_dirs(tmp_path / "unbroken" / "logs")
+    (state_0, *labels_0), (state_1, *labels_1) = [(probe / f"rng_{r}").read_text().split(" ", 1) for r in (0, 1)]
+    assert state_0 != state_1  # different dropout masks
+    assert labels_0 != labels_1  # different shards of the one order
     killed = train(tmp_path / "killed", *ddp, env={"KILL_AT_STEP": "5"}, check=False)
     assert killed.returncode != 0
     (run,) = run_dirs(tmp_path / "killed" / "logs")
@@ -125,6 +152,31 @@ def test_a_signal_saves_writes_the_metrics_and_exits_non_zero(tmp_path, sig, cod
         assert train(tmp_path / "resumed", *RUN, f"ckpt_path={ckpt}").returncode == 0
 
 
+def test_a_signal_between_training_steps_is_honoured(tmp_path):
+    """During the last validation: the run saves and stops before test; during test: the test stops. Both 143."""
+    run_args = [*RUN[:-1], "+callbacks.probe._target_=probes.SignalAt", "test=true"]
+    stopped = train(tmp_path / "val", *run_args, env={"SIGNAL_AT": "last_validation"}, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert line.startswith("stopped by SIGTERM at epoch 2, step 24:"), line
+    (run,) = run_dirs(tmp_path / "val" / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
+    assert not (run / "test_metrics.json").exists()
+    ckpt = line.split("ckpt_path=")[1]
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 24
+    resumed = train(tmp_path / "resumed", *run_args, f"ckpt_path={ckpt}")
+    (again,) = run_dirs(tmp_path / "resumed" / "logs")
+    assert json.loads((again / "test_metrics.json").read_text())["status"] == "ok", resumed.stderr[-2000:]
+
+    stopped = train(tmp_path / "test", *run_args, env={"SIGNAL_AT": "test"}, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert line == "stopped by SIGTERM during test: training had finished; test it again with eval.py"
+    (run,) = run_dirs(tmp_path / "test" / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "ok"
+    assert json.loads((run / "test_metrics.json").read_text())["status"] == "interrupted"
+
+
 def test_sigterm_to_one_ddp_rank_stops_every_rank_without_a_hang(tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
@@ -159,6 +211,18 @@ def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tm
     for path in (run / "checkpoints").glob("*.ckpt"):
         state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
         assert all(bool(torch.isfinite(t).all()) for k, t in state.items() if k.startswith("net."))
+
+
+def test_a_nan_gradient_with_a_finite_loss_stops_before_any_checkpoint_holds_it(tmp_path):
+    args = [*RUN[:-1], "+callbacks.probe._target_=probes.NanGradientAt", "callbacks.last_checkpoint.every_n_steps=1"]
+    proc = train(tmp_path, *args, env={"NAN_GRAD_AT_STEP": "4"}, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: diverged in epoch 0, between steps 4 and 5: the weights stopped being finite")
+    (run,) = run_dirs(tmp_path / "logs")
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 4
+    assert all(bool(torch.isfinite(t).all()) for k, t in last["state_dict"].items() if k.startswith("net."))
 
 
 def test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):

@@ -45,6 +45,11 @@ def test_a_killed_search_resumes_without_repeating_finished_trials(cli, tmp_path
     while not list(tmp_path.glob("logs/train/multiruns/*/1/.hydra")):  # trial 0 is done, trial 1 has started
         assert first.poll() is None and time.time() < deadline, first.stderr.read().decode() if first.stderr else ""
         time.sleep(0.2)
+    # a second sweep on the study while the first runs: refused in one line, the first's trial left alone
+    second = cli("train.py", *SEARCH, "hydra.sweeper.n_trials=4", env=TINY, check=False)
+    assert second.returncode == 2
+    assert second.stderr.startswith("error: study ") and "is being run by another sweep (pid " in second.stderr
+    assert len(second.stderr.splitlines()) == 1 and len(sweep_dirs(tmp_path)) == 1
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     killed = {t.number: t.state.name for t in trials(tmp_path)}

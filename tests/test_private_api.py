@@ -89,3 +89,34 @@ def test_internals_used_by_the_pipeline_strategy():
     metric = MeanMetric()
     for name in ("_to_sync", "sync_on_compute", "process_group", "_update_count", "_forward_cache", "_computed"):
         assert name in vars(metric), name
+
+
+def test_internals_used_by_the_step_loop_callbacks():
+    import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.strategies import model_parallel
+
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    # models/classifier.py: the step loss is logged only on the steps the loggers write
+    assert isinstance(trainer._logger_connector.should_update_logs, bool)
+    # callbacks/checks.py: Lightning's per-step SIGTERM broadcast, switched off; the cluster environment
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert callable(epoch_loop._broadcast_sigterm_tensor)
+    assert hasattr(trainer._accelerator_connector, "cluster_environment")
+    assert callable(torch._foreach_norm)
+    # callbacks/monitor.py and checkpoint.py: where an epoch is, and when each callback reads its metric
+    assert isinstance(epoch_loop.batch_progress.current.completed, int)
+    assert isinstance(epoch_loop.batch_progress.is_last_batch, bool)
+    assert hasattr(EarlyStopping(monitor="x"), "_check_on_train_epoch_end")
+    assert callable(ModelCheckpoint()._should_save_on_train_epoch_end)
+    # strategies/fsdp.py: meta-device modules materialized after sharding
+    assert callable(model_parallel._materialize_distributed_module)
+
+
+def test_interpreter_internals_used_at_exit():
+    import atexit
+    import threading
+
+    # entry.py (and tests/warm.py) end a process as the interpreter would, without tearing its modules down
+    assert callable(threading._shutdown) and callable(atexit._run_exitfuncs)

@@ -75,6 +75,8 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # said in our words, with the fix, by project.models.contract (it stops the run)
     warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
+    # a resumed run writes into its own new directory, by design: not a problem to report
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     sweeps.remember_entry_script()
     try:
         try:
@@ -83,10 +85,17 @@ def cli(hydra_main: Callable[[], Any]) -> None:
             user_error = user_error_in(e)
             if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
                 raise
+            _remove_unused_sweep_dir()
             exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
     except SystemExit as e:
         _leave(e.code)
     _leave(0)
+
+
+def _remove_unused_sweep_dir() -> None:
+    """A sweep refused before any job ran (a search-space or storage error) leaves no sweep directory."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        remove_if_unused(Path(HydraConfig.get().sweep.dir))
 
 
 def _leave(code: Any) -> None:

@@ -7,6 +7,13 @@ from typing import NoReturn
 class UserError(Exception):
     """A bad input. The message says what is wrong and how to fix it; entry points print it as one line."""
 
+    def __init__(self, message: str = "") -> None:
+        # Raised in a DataLoader worker, it is rebuilt in the main process from a text with the worker's
+        # traceback ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): keep the message.
+        if message.startswith("Caught ") and "Original Traceback" in message:
+            message = message.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]
+        super().__init__(message)
+
 
 def exit_with(error: UserError) -> NoReturn:
     """`error: <message>` on stderr and exit code 2: how every refused run ends. SystemExit, unlike an

@@ -82,6 +82,7 @@ class ProjectOptunaSweeper(Sweeper):
         parser = OverridesParser.create(config_loader=self._context.config_loader)
         search, fixed = space.split(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
         name = self._name(search, fixed)
+        self._lock = study.lock(name, self.storage)  # held while this process lives
 
         sweep_dir = Path(self._config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,46 @@ def _make_sqlite_dir(storage: str) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
 
+def lock(name: str, storage: Optional[str]) -> Any:
+    """One sweep per study at a time: a lock file beside an sqlite database, held until this process ends (a
+    killed sweep's lock goes with it, so its RUNNING trials are then known to be dead). A second sweep on the
+    same study is refused in one line; before this, it failed the first one's running trial. Other storages
+    (a database server) are not locked: run one sweep per study there."""
+    import fcntl
+    import os
+    import re
+
+    if not storage or not storage.startswith("sqlite:///"):
+        return None
+    path = Path(storage.removeprefix("sqlite:///"))
+    if str(path) in ("", ":memory:"):
+        return None
+    _make_sqlite_dir(storage)
+    lock_path = path.parent / f".{path.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:150]}.lock"
+    try:
+        handle = open(lock_path, "a+")
+    except OSError as e:
+        raise SweeperConfigError(
+            f"hydra.sweeper.storage={storage}: its folder is not writable ({e.strerror}); use a storage on a "
+            "writable disk"
+        ) from e
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise SweeperConfigError(
+            f"study {name} in {storage} is being run by another sweep ({owner}); wait for it to finish, or use "
+            "another hydra.sweeper.study_name"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
 def open_study(
     name: str, storage: Optional[str], direction: str, sampler_cfg: Optional[DictConfig], pruner_cfg: Any
 ) -> Any:
@@ -32,13 +72,23 @@ def open_study(
     if storage:
         _make_sqlite_dir(storage)
     pruner = instantiate(pruner_cfg) if pruner_cfg else optuna.pruners.NopPruner()
-    study = optuna.create_study(
-        storage=storage,
-        study_name=name,
-        pruner=pruner,
-        direction=optuna.study.StudyDirection[direction.upper()],
-        load_if_exists=True,
-    )
+    try:
+        study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            pruner=pruner,
+            direction=optuna.study.StudyDirection[direction.upper()],
+            load_if_exists=True,
+        )
+    except (OSError, ImportError, ValueError) as e:
+        raise SweeperConfigError(f"hydra.sweeper.storage={storage}: cannot be opened ({e}); check the URL") from e
+    except Exception as e:  # SQLAlchemy's errors: a read-only or full disk, a locked database
+        if type(e).__module__.split(".")[0] != "sqlalchemy":
+            raise
+        detail = " ".join(str(getattr(e, "orig", e)).split())[:200]
+        raise SweeperConfigError(
+            f"hydra.sweeper.storage={storage}: cannot be written ({detail}); use a storage on a writable disk"
+        ) from e
     found = study.direction.name.lower()
     if found != direction:
         raise SweeperConfigError(
@@ -56,7 +106,8 @@ def open_study(
 
 
 def retry_interrupted(study: Any) -> None:
-    """Trials still RUNNING when a sweep starts belong to a sweep that was killed (one sweep per study at a time):
+    """Trials still RUNNING when a sweep starts belong to a sweep that was killed (one sweep per study at a time,
+    `lock`):
     marked FAIL + interrupted (they do not count), and their parameters queued, so they run again first."""
     from optuna.trial import TrialState
 

@@ -12,11 +12,15 @@ host sync of these checks. So:
   step; with fp16 mixed precision the loss scaler skips such steps, and the weights stay finite.
 - a signal to any rank stops every rank at the same step, at the latest `every_n_steps` steps later: each saves
   last.ckpt (a sharded checkpoint needs all of them), the metrics so far are written (`"status": "interrupted"`),
-  one line says where to continue from, and the process exits 128 + the signal's number (SIGTERM: 143).
+  one line says where to continue from, and the process exits 128 + the signal's number (SIGTERM: 143). A signal
+  during validation is honoured at the epoch's end, after its checkpoints (also the last one's: the run stops
+  before test); one during test (or between fit and test) stops the test (test_metrics.json
+  `"status": "interrupted"`).
 
 Lightning's own SIGTERM handler exits 0 (a scheduler reads a killed run as a success) and broadcasts from inside
-the handler, which hangs DDP when a rank other than 0 is signalled; here the handler only records the signal. The
-handlers are installed in `on_train_start`, after Lightning's; Lightning puts back the ones from before the run.
+the handler, which hangs DDP when a rank other than 0 is signalled; here the handler only records the signal. Ours
+are installed at `setup` (so they are what Lightning puts back after each stage) and again at the start of each
+stage, over Lightning's.
 """
 
 import signal
@@ -70,6 +74,7 @@ class RunChecks(L.Callback):
         self._last_finite: float | None = None  # the loss at the last agreement
         self._agreed_at = 0  # the global step of the last agreement: the run was sound up to there
         self._stopping = False
+        self._test_batches = 0
 
     # ------------------------------------------------------------ per step: one addition on the device
 
@@ -119,7 +124,7 @@ class RunChecks(L.Callback):
             self._agree(trainer, pl_module, signals=False)  # a checkpoint is never written after the run diverged
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._agree(trainer, pl_module, signals=False)
+        self._agree(trainer, pl_module, signals=True)
 
     # ------------------------------------------------------------ what happens then
 
@@ -136,15 +141,64 @@ class RunChecks(L.Callback):
     def _handler(self, signum: int, frame: Any) -> None:
         self.signum = signum  # nothing else inside a handler: no I/O, no collective
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _install(self, trainer: L.Trainer) -> None:
         signals = [signal.SIGTERM, signal.SIGINT]
         if not _requeued_by_lightning(trainer):
             signals.append(signal.SIGUSR1)
         for signum in signals:
             signal.signal(signum, self._handler)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before Lightning registers its own handlers for the stage: these are what it puts back after each stage,
+        # so a signal between fit and test is recorded too.
+        self._install(trainer)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
         # Lightning's epoch loop broadcasts rank 0's SIGTERM flag every step (a collective and a host sync per
         # step); SIGTERM is ours now, agreed every every_n_steps, so its flag is never set: the broadcast goes.
         trainer.fit_loop.epoch_loop.__dict__["_broadcast_sigterm_tensor"] = lambda: None
+        if self.signum:  # during the sanity check
+            self._agree(trainer, pl_module, signals=True)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
+
+    # ------------------------------------------------------------ test: nothing to save, the test stops
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
+        self._test_batches = 0
+        self._agree_on_signal(trainer)  # one arrived between fit and test
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._test_batches += 1
+        if trainer.world_size == 1 or self._test_batches % self.every_n_steps == 0:
+            self._agree_on_signal(trainer)
+
+    def _agree_on_signal(self, trainer: L.Trainer) -> None:
+        signum = float(self.signum)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            found = torch.tensor([signum], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            signum = found.item()
+        if signum:
+            write_metrics(trainer, Path(trainer.default_root_dir) / "test_metrics.json", status="interrupted")
+            name = signal.Signals(int(signum)).name
+            if trainer.is_global_zero:
+                print(
+                    f"stopped by {name} during test: training had finished; test it again with eval.py", file=sys.stderr
+                )
+            raise SystemExit(self._exit_code(trainer, int(signum)))
+
+    def _exit_code(self, trainer: L.Trainer, signum: int) -> int:
+        # Ranks that Lightning's launcher started end quietly: rank 0 reports the stop, and a child's non-zero
+        # exit would make the launcher kill rank 0 before it has finished saving.
+        child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
+        return 0 if child else 128 + signum
 
     def _stop(self, trainer: L.Trainer, signum: int) -> None:
         path = _last_checkpoint(trainer)
@@ -157,10 +211,7 @@ class RunChecks(L.Callback):
                 f"continue with ckpt_path={path}",
                 file=sys.stderr,
             )
-        # Ranks that Lightning's launcher started end quietly: rank 0 reports the stop, and a child's non-zero
-        # exit would make the launcher kill rank 0 before it has finished saving.
-        child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
-        raise SystemExit(0 if child else 128 + signum)
+        raise SystemExit(self._exit_code(trainer, signum))
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str:

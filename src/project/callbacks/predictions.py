@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from project.runs.atomic_io import write_file
+
 log = logging.getLogger(__name__)
 
 TENSORS = "predictions.pt"
@@ -77,7 +79,8 @@ class PredictionsWriter(L.Callback):
         if not trainer.is_global_zero:
             return
         merged = _in_input_order(torch.cat(indices), outputs, len(self.names))
-        torch.save({"files": self.names, "outputs": merged}, self.folder / TENSORS)
+        fix = "free space on that disk, or set paths.log_dir"
+        write_file(self.folder / TENSORS, lambda part: torch.save({"files": self.names, "outputs": merged}, part), fix)
         table = columns(merged, self.classes)
         if table is None:
             log.info(
@@ -88,10 +91,14 @@ class PredictionsWriter(L.Callback):
             )
             return
         header, rows = table
-        with open(self.folder / TABLE, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["file", *header])
-            writer.writerows([name, *row] for name, row in zip(self.names, rows))
+
+        def write_table(part: Path) -> None:
+            with open(part, "w", newline="") as f:
+                writer = csv.writer(f)  # cells as they are: a file name starting with "=" is not escaped
+                writer.writerow(["file", *header])
+                writer.writerows([name, *row] for name, row in zip(self.names, rows))
+
+        write_file(self.folder / TABLE, write_table, fix)
 
 
 def _in_input_order(indices: Tensor, outputs: list[Any], count: int) -> Any:

@@ -51,6 +51,22 @@ def _restore(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def seed_rank(rank: int) -> None:
+    """Each rank its own random stream (dropout masks, augmentations) derived from the run's seed and the rank.
+    Lightning re-seeds every rank with the same seed, so they all drew the same masks. Rank 0 keeps the run's own
+    stream (a one-process run is unchanged); the data order has its own generator (one shared permutation); the
+    model is built and wrapped before this (fit start), so replicas and shards start from the same weights."""
+    import os
+
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    if rank == 0 or seed is None:  # unseeded: every process drew its own state from the OS already
+        return
+    derived = np.random.SeedSequence([int(seed), rank]).generate_state(2)
+    random.seed(int(derived[0]))
+    np.random.seed(int(derived[1]))
+    torch.manual_seed((int(derived[0]) << 32) | int(derived[1]))
+
+
 class RunState(L.Callback):
     """Saves the run `config` (if given) and the torch, numpy, Python and CUDA random states of every rank;
     restores each rank's own random state on resume."""
@@ -79,6 +95,9 @@ class RunState(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seed_rank(trainer.global_rank)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         states, self._loaded = self._loaded, None

@@ -114,6 +114,7 @@ class ExportConfig(RunConfig):
     ckpt_path: str = MISSING
     format: str = "onnx"  # onnx | torch_export
     output: Optional[str] = None  # None: beside the checkpoint, <checkpoint name>.onnx or .pt2
+    overwrite: bool = False  # replace an existing `output` file (otherwise refused)
     check: bool = True  # compare the exported model's outputs with PyTorch's before finishing
     trainer: Any = None  # not used: export runs no Trainer; here so that profiles (which size it) apply too
 

@@ -26,6 +26,7 @@ from project.data.images import load_image, model_input
 from project.data.resumable import ResumableLoader, ResumableSampler
 from project.data.spec import InputSpec
 from project.data.tensors import TensorDataModule, split
+from project.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,20 @@ SPLITS = ("train", "val", "test")
 def class_folders(root: Path) -> list[str]:
     """Class names: the subfolders, sorted (ImageFolder's order, so label i is the i-th name)."""
     return sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+
+
+def _check_layout(root: Path, classes: list[str]) -> None:
+    """Each class folder holds image files at its top level, looked at without walking: a root that is not a folder
+    of class folders (`data.root=/`, from a config or a checkpoint) is refused before anything walks it."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    for name in classes:
+        with os.scandir(root / name) as entries:
+            if not any(e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file() for e in entries):
+                raise UserError(
+                    f"data.root={root}: its subfolder {name}/ holds no image files; data.root must be a folder of "
+                    "class folders of images (root/<class>/<image>)"
+                )
 
 
 def _size(image_size: int | Sequence[int]) -> tuple[int, int]:
@@ -54,17 +69,39 @@ def _per_channel(values: Sequence[float], channels: int, name: str) -> tuple[flo
 
 
 class _Transformed(Dataset):
-    """A subset of an ImageFolder, each sample through `transform`: train and val/test differ only here."""
+    """A subset of an ImageFolder, each sample through `transform`: train and val/test differ only here. A file
+    that is not a readable image (truncated, another format) stops the run naming it, or with `skip_bad` is
+    skipped (logged once per file and process; its batch is one sample shorter)."""
 
-    def __init__(self, subset: Dataset, transform: Any) -> None:
-        self.subset, self.transform = subset, transform
+    def __init__(self, subset: Subset, transform: Any, skip_bad: bool = False) -> None:
+        self.subset, self.transform, self.skip_bad = subset, transform, skip_bad
+        self.skipped: set[str] = set()
 
     def __len__(self) -> int:
-        return len(self.subset)  # type: ignore[arg-type]
+        return len(self.subset)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int]:
-        image, label = self.subset[index]
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
+        folder: Any = self.subset.dataset
+        path = folder.samples[self.subset.indices[index]][0]
+        try:
+            image, label = self.subset[index]
+        except (OSError, ValueError, SyntaxError) as e:  # what PIL raises for a file it cannot decode
+            if not self.skip_bad:
+                raise UserError(
+                    f"{path}: not a readable image ({type(e).__name__}: {e}); remove or replace it, or skip such "
+                    "files with data.skip_bad_images=true"
+                ) from None
+            if path not in self.skipped:
+                self.skipped.add(path)
+                log.warning("Skipped %s: not a readable image (%s)", path, e)
+            return None
         return self.transform(image), label
+
+
+def _without_skipped(batch: list[Any]) -> Any:
+    from torch.utils.data import default_collate
+
+    return default_collate([sample for sample in batch if sample is not None])
 
 
 class ImageFolderDataModule(TensorDataModule):
@@ -86,6 +123,7 @@ class ImageFolderDataModule(TensorDataModule):
         split_seed: int = 0,
         shuffle: bool = True,
         augment: bool = True,
+        skip_bad_images: bool = False,
         crop_padding: int = 2,
         degrees: float = 10.0,
         translate: float = 0.1,
@@ -103,6 +141,7 @@ class ImageFolderDataModule(TensorDataModule):
         self.num_classes = len(self.classes)
         if len(self.classes) < 2:
             raise ValueError(f"root={root}: {len(self.classes)} class subfolders; a classifier needs at least 2")
+        _check_layout(self.root / "train" if self.given else self.root, self.classes)
         if num_classes is not None and num_classes != len(self.classes):
             raise ValueError(
                 f"root={root} has {len(self.classes)} classes ({', '.join(self.classes[:5])}"
@@ -111,7 +150,7 @@ class ImageFolderDataModule(TensorDataModule):
             )
         if num_workers < 0 or not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1:
             raise ValueError(f"num_workers={num_workers} >= 0, fractions in [0, 1): {val_fraction}, {test_fraction}")
-        self.num_workers, self.split_seed = num_workers, split_seed
+        self.num_workers, self.split_seed, self.skip_bad_images = num_workers, split_seed, skip_bad_images
         self.fractions = {"val": val_fraction, "test": test_fraction}
         self.augmentations = (
             [v2.RandomCrop(_size(image_size), padding=crop_padding)] if augment and crop_padding > 0 else []
@@ -134,7 +173,10 @@ class ImageFolderDataModule(TensorDataModule):
         return {"classes": list(self.classes)}
 
     def _folder(self, path: Path) -> ImageFolder:
-        folder = ImageFolder(str(path), loader=functools.partial(load_image, channels=self.spec.channels))
+        try:
+            folder = ImageFolder(str(path), loader=functools.partial(load_image, channels=self.spec.channels))
+        except FileNotFoundError as e:  # a class folder without images
+            raise UserError(f"{path}: {e}; remove the empty class folders or add images to them") from None
         if folder.classes != self.classes:
             raise ValueError(f"{path}: classes {folder.classes} differ from train/'s {self.classes}")
         return folder
@@ -162,7 +204,8 @@ class ImageFolderDataModule(TensorDataModule):
         train = v2.Compose([to_tensor, model_input(self.spec, self.augmentations)])
         plain = v2.Compose([to_tensor, model_input(self.spec)])
         for name, (folder, indices) in self._indices().items():
-            self.datasets[name] = _Transformed(Subset(folder, indices), train if name == "train" else plain)
+            transform = train if name == "train" else plain
+            self.datasets[name] = _Transformed(Subset(folder, indices), transform, self.skip_bad_images)
         sizes = ", ".join(f"{name} {len(ds)}" for name, ds in self.datasets.items())  # type: ignore[arg-type]
         log.info("%s: %d classes; %s images", self.root, len(self.classes), sizes)
 
@@ -178,5 +221,6 @@ class ImageFolderDataModule(TensorDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,  # decoding workers live across epochs
+            collate_fn=_without_skipped if self.skip_bad_images else None,
             pin_memory=on_gpu,
         )

@@ -12,6 +12,9 @@ from typing import Any
 from project.errors import UserError
 from project.runs import checkpoints
 
+MAX_SIDE = 8192
+MAX_PIXELS = MAX_SIDE * MAX_SIDE  # the largest image a model here takes (a 256 MB uint8 RGB image)
+
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -28,6 +31,8 @@ class InputSpec:
             raise ValueError(f"channels={self.channels}: images are grey (1) or RGB (3)")
         if min(self.height, self.width) < 1:
             raise ValueError(f"image size {self.height}x{self.width}: must be at least 1x1")
+        if self.height * self.width > MAX_PIXELS:  # a config (or a checkpoint's) cannot make predict allocate GBs
+            raise ValueError(f"image size {self.height}x{self.width}: larger than {MAX_SIDE}x{MAX_SIDE} pixels")
         for name, values in (("mean", self.mean), ("std", self.std)):
             if len(values) != self.channels:
                 raise ValueError(f"{name}={list(values)}: one value per channel ({self.channels})")

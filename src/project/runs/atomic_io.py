@@ -12,6 +12,7 @@ small nets, cost a copy of every tensor, and a SLURM requeue right after a save 
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,19 @@ def write_atomically(checkpoint: dict[str, Any], target: Path) -> None:
             f"{target}: the checkpoint could not be written ({e.strerror or e}); the previous one is unchanged. Free "
             "space, or write elsewhere: callbacks.model_checkpoint.dirpath=<a folder with room>"
         ) from e
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_file(target: Path, write: Callable[[Path], object], fix: str) -> None:
+    """`write(partial)` to a hidden file beside `target`, then renamed onto it: a full disk, a read-only folder or a
+    kill leaves no torn `target`. A failure is one line ending with `fix`."""
+    partial = target.parent / f".{target.stem}.partial-{os.getpid()}{target.suffix}"
+    try:
+        write(partial)
+        os.replace(partial, target)
+    except OSError as e:
+        raise UserError(f"{target}: could not be written ({e.strerror or e}); {fix}") from e
     finally:
         partial.unlink(missing_ok=True)
 

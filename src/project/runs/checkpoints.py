@@ -170,6 +170,21 @@ def _without_downloads(node: Any) -> Any:
     return out
 
 
+def _check_dense(path: Path, state_dict: dict) -> None:
+    """Every stored tensor holds its elements: an expanded (stride 0) or overlapping one claims more memory than
+    the file has, and the model built to its shapes would allocate that (a 2 MB file asking for gigabytes)."""
+    import torch
+
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            claimed = value.numel() * value.element_size()
+            if value.untyped_storage().nbytes() < claimed:
+                raise UserError(
+                    f"ckpt_path={path}: its tensor {key!r} claims {claimed:,} bytes but stores "
+                    f"{value.untyped_storage().nbytes():,} (not a dense tensor: not written by train.py); refused"
+                )
+
+
 def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
     """The model of a checkpoint's config: first on the meta device (no memory), checked against the
     checkpoint's own weights, so that a config asking for a 4 TB layer fails before allocating it."""
@@ -181,6 +196,7 @@ def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
         config["compile"] = False
     try:
         if state_dict is not None:
+            _check_dense(path, state_dict)
             with torch.device("meta"):
                 shapes = {k: tuple(v.shape) for k, v in hydra.utils.instantiate(config).state_dict().items()}
             stored = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
@@ -189,6 +205,17 @@ def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
                 raise UserError(
                     f"ckpt_path={path}: its weights do not fit the model its config describes ({different[:3]}); "
                     "refused"
+                )
+        else:  # sharded: the weights are in the shard files, which bound what the model may claim
+            with torch.device("meta"):
+                claimed = sum(
+                    t.numel() * t.element_size() for t in hydra.utils.instantiate(config).state_dict().values()
+                )
+            on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            if claimed > on_disk:
+                raise UserError(
+                    f"ckpt_path={path}: its config describes a model of {claimed:,} bytes, more than its files hold "
+                    f"({on_disk:,}); refused"
                 )
         return hydra.utils.instantiate(config)
     except UserError:

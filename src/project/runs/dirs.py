@@ -97,9 +97,38 @@ def remove_if_unused(run_dir: Path) -> None:
             break
 
 
+def earlier_files(directory: Path) -> list[Path]:
+    """Files in `directory` this process did not make (Hydra's bookkeeping, a lock or ledger of ours aside)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".slurm_"))
+
+
+def check_own_output_dir(cfg: Any) -> None:
+    """`paths.output_dir` is this run's own: the run dir Hydra made and the guard checked, or a directory that
+    holds no earlier run's files (`paths.output_dir=<a training run>` would replace its results). Ranks and
+    restarted jobs join a directory already checked."""
+    from hydra.core.hydra_config import HydraConfig
+
+    output_dir = Path(str(cfg.paths.output_dir)).expanduser().resolve()
+    if not HydraConfig.initialized() or environment.restarted() or HydraConfig.get().output_subdir is None:
+        return
+    if output_dir == Path(HydraConfig.get().runtime.output_dir).resolve():
+        return
+    found = earlier_files(output_dir)
+    if found:
+        raise UserError(
+            f"paths.output_dir={output_dir} already holds an earlier run's files "
+            f"({found[0].relative_to(output_dir)}, ...); leave paths.output_dir to Hydra for a new run directory, "
+            "or name a new one"
+        )
+
+
 def make_output_dirs(cfg: Any) -> None:
     """Every directory the run will write to, made now: an unwritable one (a logger's save_dir, a checkpoint
-    dirpath, paths.output_dir) fails at start with its key named, not after an epoch of training."""
+    dirpath, paths.output_dir) fails at start with its key named, not after an epoch of training. Before that,
+    paths.output_dir must be this run's own (check_own_output_dir)."""
+    check_own_output_dir(cfg)
     wanted = {"paths.output_dir": cfg.paths.output_dir}
     if cfg.get("trainer") is not None and cfg.trainer.get("default_root_dir"):
         wanted["trainer.default_root_dir"] = cfg.trainer.default_root_dir

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.entry import full_error
 from project.errors import UserError, exit_with, user_error_in
 from project.launch import environment
-from project.runs.dirs import holds_checkpoints
+from project.runs.dirs import CREATED, earlier_files, holds_checkpoints
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -62,7 +62,9 @@ def _directory(config: DictConfig, key: str) -> Path:
     if inside is not None:
         raise UserError(f"{key}={path} is inside the directory of another run ({inside}); choose a new directory")
     try:
+        missing = [p for p in (path, *path.parents) if not p.exists()]
         path.mkdir(parents=True, exist_ok=True)
+        CREATED.update(str(p.resolve()) for p in missing)  # a failed start removes what it made (hydra.run.dir=new)
     except OSError as e:
         raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
     return path
@@ -79,6 +81,14 @@ class RunDirGuard(Callback):
             run_dir = _directory(config, "hydra.run.dir")
             if holds_checkpoints(run_dir):
                 raise _refuse_checkpoints(run_dir)
+            # a directory the launcher names for all its ranks (torchrun, srun) is shared; any other is this run's
+            found = earlier_files(run_dir) if environment.shared_run_name() is None else []
+            if found:
+                raise UserError(
+                    f"hydra.run.dir={run_dir} already holds an earlier run's files "
+                    f"({found[0].relative_to(run_dir)}, ...); name a new directory, or leave hydra.run.dir out for a "
+                    "fresh one"
+                )
         except Exception as e:  # a UserError, or one raised inside a resolver, which OmegaConf wraps
             _stop_on(e)
 
@@ -90,5 +100,12 @@ class RunDirGuard(Callback):
             for job_dir in sorted(sweep_dir.glob("*")):
                 if job_dir.is_dir() and holds_checkpoints(job_dir):
                     raise _refuse_checkpoints(job_dir)
+            found = earlier_files(sweep_dir)
+            if found:
+                raise UserError(
+                    f"hydra.sweep.dir={sweep_dir} already holds an earlier sweep's files "
+                    f"({found[0].relative_to(sweep_dir)}, ...); name a new directory, or leave hydra.sweep.dir out "
+                    "for a fresh one"
+                )
         except Exception as e:
             _stop_on(e)

@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 
+def write_text(path: Path, text: str) -> None:
+    """Written whole or not at all (a full disk leaves no half-written JSON)."""
+    from project.runs.atomic_io import write_file
+
+    write_file(path, lambda partial: partial.write_text(text), "free space on that disk, or set paths.log_dir")
+
+
 def best_key(metric: str) -> str:
     """Where a run's best monitor.metric goes among its metrics (fit_metrics.json): `best/val/acc`."""
     return f"best/{metric}"
@@ -24,7 +31,8 @@ def write_metrics(
     if trainer.is_global_zero:
         shown: dict[str, Any] = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         shown["status"] = status
-        path.write_text(json.dumps(shown, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        text = json.dumps(shown, indent=2, sort_keys=True, allow_nan=False) + "\n"
+        write_text(path, text)
     return metrics
 
 

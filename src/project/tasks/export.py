@@ -17,7 +17,9 @@ from omegaconf import DictConfig
 
 from project.config.schema import check_config
 from project.errors import UserError
+from project.runs.atomic_io import write_file
 from project.runs.dirs import make_output_dirs
+from project.runs.results import write_text
 from project.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,18 @@ def target_path(cfg: DictConfig) -> Path:
         return Path(cfg.output).expanduser()
     ckpt = Path(cfg.ckpt_path).expanduser()
     return ckpt.with_name(ckpt.stem + SUFFIXES[cfg.format])
+
+
+def check_target(path: Path, suffix: str, overwrite: bool) -> None:
+    """Export writes a new file: an existing one (a checkpoint, an earlier export) is replaced only when asked."""
+    if path.is_dir():
+        raise UserError(f"output={path} is a folder; name the file to write (output={path / ('model' + suffix)})")
+    if not path.parent.is_dir():
+        raise UserError(f"output={path}: its folder {path.parent} does not exist")
+    if path.exists() and not overwrite:
+        raise UserError(f"output={path} exists; name a new file, or pass overwrite=true to replace it")
+    if path.suffix in (".ckpt", ".pt", ".pth", ".safetensors", ".json", ".yaml"):
+        raise UserError(f"output={path}: an export is .onnx or .pt2, not {path.suffix}; name a new file")
 
 
 def example_pixels(spec: Any, n: int, seed: int = 0) -> Any:
@@ -123,6 +137,8 @@ def export(cfg: DictConfig) -> Path:
     if cfg.format not in SUFFIXES:
         raise UserError(f"format={cfg.format}: one of {', '.join(SUFFIXES)}")
     seed_run(cfg.seed)
+    path = target_path(cfg)
+    check_target(path, SUFFIXES[cfg.format], cfg.overwrite)
     model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
     try:
         spec = input_spec_of(model, train_config, cfg)
@@ -130,9 +146,6 @@ def export(cfg: DictConfig) -> Path:
         if getattr(model, "example_input_array", None) is None:
             raise
         spec = None  # not images: the module's own example input
-    path = target_path(cfg)
-    if not path.parent.is_dir():
-        raise UserError(f"output={path}: its folder {path.parent} does not exist")
     make_output_dirs(cfg)
     module, example, input_name = _example(model, spec)
     classes = class_names(model, cfg.ckpt_path, train_config)
@@ -141,17 +154,22 @@ def export(cfg: DictConfig) -> Path:
         output = module(example)
     if not isinstance(output, torch.Tensor):
         raise UserError(f"{type(model).__name__}.forward returns {type(output).__name__}: export needs one tensor")
-    try:
-        (write_onnx if cfg.format == "onnx" else write_torch_export)(
-            module, example, path, classes or [], input_name, output_name
-        )
-    except PermissionError as e:
-        raise UserError(f"{path}: cannot be written ({e.strerror}); pass output=<a writable path>") from e
+    writer = write_onnx if cfg.format == "onnx" else write_torch_export
     # another batch size than the example's: the batch dimension must really be dynamic
     other = example_pixels(spec, 5, seed=1) if spec is not None else torch.cat([example] * 3)[:5]
-    difference = max_difference(module, path, cfg.format, other, input_name, output_name) if cfg.check else None
-    if difference is not None and not difference <= TOLERANCE:
-        raise UserError(f"{path}: its outputs differ from PyTorch's by {difference:.2e} (more than {TOLERANCE})")
+    difference: float | None = None
+
+    def write_and_check(partial: Path) -> None:
+        nonlocal difference
+        writer(module, example, partial, classes or [], input_name, output_name)
+        if cfg.check:  # the file as written, before it takes its name: a file that fails the check is not left
+            difference = max_difference(module, partial, cfg.format, other, input_name, output_name)
+            if not difference <= TOLERANCE:
+                raise UserError(
+                    f"{path}: its outputs differ from PyTorch's by {difference:.2e} (more than {TOLERANCE})"
+                )
+
+    write_file(path, write_and_check, "pass output=<a writable path on a disk with room>")
     shape = ["N", spec.channels, spec.height, spec.width] if spec is not None else ["N", *example.shape[1:]]
     summary = {
         "path": str(path.resolve()),
@@ -161,6 +179,6 @@ def export(cfg: DictConfig) -> Path:
         "classes": classes,
         "max_abs_difference": difference,
     }
-    (Path(cfg.paths.output_dir) / "export.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(Path(cfg.paths.output_dir) / "export.json", json.dumps(summary, indent=2) + "\n")
     log.info("Exported %s (largest difference from PyTorch: %s)", path, difference)
     return path

@@ -1,0 +1,162 @@
+"""A hostile user's moves at the edges of every entry point: nothing is overwritten that the command did not
+create, every failure is one line with exit 2 and no run directory left, bad files found mid-epoch are named,
+and a checkpoint's stored paths and sizes are checked before use. Each test failed before its fix."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, cli_env, run_dirs, run_python
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+TINY = {"PROJECT_PROFILE": "tiny"}
+
+
+def run(cwd: Path, script: str, *args: str, env: dict | None = None):
+    cwd.mkdir(parents=True, exist_ok=True)
+    return run_python([sys.executable, str(REPO / script), *args], cwd, cli_env(**{**TINY, **(env or {})}))
+
+
+def refused(proc, *fragments: str) -> str:
+    """Exit 2 and one line on stderr holding every fragment."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: ") and all(f in lines[0] for f in fragments), lines[0]
+    return lines[0]
+
+
+def tree(root: Path) -> dict[str, int]:
+    """Every file under root with its size and modification time: what 'nothing changed' compares."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """One tiny training run: (working directory, its run directory)."""
+    work = tmp_path_factory.mktemp("hostile")
+    proc = run(work, "train.py", "model=mlp", "logger=none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = run_dirs(work / "logs")
+    return work, run_dir
+
+
+def test_no_entry_point_overwrites_what_it_did_not_create(trained):
+    work, run_dir = trained
+    best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))
+    before = tree(run_dir)
+    # export onto a checkpoint, into a folder, over an earlier export
+    refused(run(work, "export.py", f"ckpt_path={best}", f"output={run_dir / 'checkpoints' / 'last.ckpt'}"), "exists")
+    refused(run(work, "export.py", f"ckpt_path={best}", f"output={run_dir}"), "is a folder")
+    refused(run(work, "export.py", f"ckpt_path={best}", f"output={work / 'new.ckpt'}"), "not .ckpt")
+    # eval into a training run, predict into an earlier predict run
+    refused(run(work, "eval.py", f"ckpt_path={best}", f"paths.output_dir={run_dir}"), "already holds an earlier run")
+    refused(run(work, "eval.py", f"ckpt_path={best}", f"hydra.run.dir={run_dir}"), "holds checkpoints of an earlier")
+    assert tree(run_dir) == before
+
+    digits = work / "digits"
+    digits.mkdir()
+    Image.new("L", (28, 28)).save(digits / "a.png")
+    first = run(work, "predict.py", f"ckpt_path={best}", f"input={digits}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (predicted,) = run_dirs(work / "logs", "predict")
+    kept = tree(predicted)
+    again = run(work, "predict.py", f"ckpt_path={best}", f"input={digits}", f"hydra.run.dir={predicted}")
+    refused(again, "already holds an earlier run's files")
+    assert tree(predicted) == kept
+
+    # the explicit way: a new file, or overwrite=true
+    target = work / "model.onnx"
+    assert run(work, "export.py", f"ckpt_path={best}", f"output={target}").returncode == 0
+    refused(run(work, "export.py", f"ckpt_path={best}", f"output={target}"), "exists", "overwrite=true")
+    replaced = run(work, "export.py", f"ckpt_path={best}", f"output={target}", "overwrite=true")
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert not list(work.glob(".model.partial-*"))  # written beside under a hidden name, then renamed
+
+
+def test_a_failed_start_leaves_no_run_directory_even_one_the_user_named(trained):
+    work, run_dir = trained
+    best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))
+    named = work / "named" / "run"
+    refused(run(work, "eval.py", f"ckpt_path={best}.missing", f"hydra.run.dir={named}"), "no such file")
+    assert not (work / "named").exists()
+
+
+def test_an_unwritable_export_target_is_one_line(trained):
+    """A read-only filesystem (/proc here: even root cannot create files there)."""
+    work, run_dir = trained
+    best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))
+    refused(run(work, "export.py", f"ckpt_path={best}", "output=/proc/model.onnx"), "could not be written")
+
+
+def test_bad_image_files_are_named_or_skipped_and_counted(tmp_path):
+    root = tmp_path / "images"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(12):
+            Image.new("L", (28, 28), color=i * 20).save(root / label / f"{i:02d}.png")
+    (root / "a" / "05.png").write_bytes((root / "a" / "05.png").read_bytes()[:40])  # truncated
+    (root / "b" / "notes.png").write_text("not an image")
+    args = ["data=image_folder", f"data.root={root}", "model=mlp", "model.num_classes=2", "logger=none"]
+    args += ["data.num_workers=0", "trainer.max_epochs=1", "data.batch_size=4"]
+    stopped = run(tmp_path, "train.py", *args, env={"PROJECT_PROFILE": ""})
+    line = refused(stopped, "not a readable image", "data.skip_bad_images=true")
+    assert "05.png" in line or "notes.png" in line
+    assert run_dirs(tmp_path / "logs") == []
+
+    skipped = run(tmp_path, "train.py", *args, "data.skip_bad_images=true", env={"PROJECT_PROFILE": ""})
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    said = [line for line in (skipped.stdout + skipped.stderr).splitlines() if "Skipped " in line]
+    assert {Path(line.split("Skipped ")[1].split(":")[0]).name for line in said} == {"05.png", "notes.png"}
+
+    (root / "c").mkdir()  # an empty class folder
+    refused(run(tmp_path, "train.py", *args, "model.num_classes=3", env={"PROJECT_PROFILE": ""}), "c/ holds no image")
+
+
+def test_a_checkpoints_stored_paths_and_sizes_are_checked_before_use(trained, tmp_path):
+    """A data root of / is refused, not walked; an image size of 20000x20000 is refused, not allocated."""
+    work, run_dir = trained
+    best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))
+    ckpt = torch.load(best, map_location="cpu", weights_only=True)
+    walks = {
+        **ckpt,
+        "run_config": {
+            **ckpt["run_config"],
+            "data": {"_target_": "project.data.image_folder.ImageFolderDataModule", "root": "/", "num_classes": 10},
+        },
+    }
+    torch.save(walks, tmp_path / "walks.ckpt")
+    refused(run(work, "eval.py", f"ckpt_path={tmp_path / 'walks.ckpt'}"), "data.root=/", "holds no image files")
+
+    huge = {
+        **ckpt,
+        "run_config": {
+            **ckpt["run_config"],
+            "data": {
+                "_target_": "project.data.image_folder.ImageFolderDataModule",
+                "root": str(tmp_path),
+                "image_size": 20000,
+            },
+        },
+    }
+    torch.save(huge, tmp_path / "huge.ckpt")
+    refused(run(work, "export.py", f"ckpt_path={tmp_path / 'huge.ckpt'}"), "20000x20000", "larger than")
+
+
+def test_resume_says_nothing_a_user_cannot_act_on(trained, tmp_path):
+    work, run_dir = trained
+    resumed = run(
+        work,
+        "train.py",
+        "model=mlp",
+        "logger=none",
+        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+        "trainer.max_epochs=3",
+        "stretch_schedule=true",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "dirpath has changed" not in resumed.stderr and "Warning" not in resumed.stderr
+    assert json.loads((run_dirs(work / "logs")[-1] / "fit_metrics.json").read_text())["status"] == "ok"
