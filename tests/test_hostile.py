@@ -145,6 +145,14 @@ def test_a_checkpoints_stored_paths_and_sizes_are_checked_before_use(trained, tm
     torch.save(huge, tmp_path / "huge.ckpt")
     refused(run(work, "export.py", f"ckpt_path={tmp_path / 'huge.ckpt'}"), "20000x20000", "larger than")
 
+    misfit = {**ckpt, "run_config": {**ckpt["run_config"], "data": {**ckpt["run_config"]["data"], "channels": 3}}}
+    torch.save(misfit, tmp_path / "misfit.ckpt")
+    for script in ("eval.py", "export.py"):  # export with check=false too: the file would not run
+        refused(
+            run(work, script, f"ckpt_path={tmp_path / 'misfit.ckpt'}", *(["check=false"] * (script == "export.py"))),
+            "does not take the data's images (3 channels",
+        )
+
 
 def test_resume_says_nothing_a_user_cannot_act_on(trained, tmp_path):
     work, run_dir = trained

@@ -241,6 +241,14 @@ def load_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
     model = _build(config["model"], p, state_dict)
     if state_dict is not None:
         model.load_state_dict(state_dict)
+    if isinstance(config.get("data"), dict):  # a model and data that do not fit: one line, not a traceback later
+        from project.models.contract import check_fits
+
+        try:
+            check_fits(model, None, config["data"])
+        except UserError as e:
+            what = str(e).split("; make them fit")[0]
+            raise UserError(f"ckpt_path={path}: {what}; its config is inconsistent") from e
     return model, config
 
 
