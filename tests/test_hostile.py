@@ -77,6 +77,18 @@ def test_no_entry_point_overwrites_what_it_did_not_create(trained):
     assert not list(work.glob(".model.partial-*"))  # written beside under a hidden name, then renamed
 
 
+def test_nodes_started_by_hand_share_the_directory_the_user_names(tmp_path):
+    """Node 1 starting after node 0 has written into the named directory joins it (here it waits for node 0's
+    rendezvous and times out: what matters is that it was not refused as another run's directory)."""
+    shared = tmp_path / "shared"
+    (shared / ".hydra").mkdir(parents=True)
+    (shared / ".hydra" / "config.yaml").write_text("{}\n")  # node 0 was first
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29563", "NODE_RANK": "1"}
+    args = [f"hydra.run.dir={shared}", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=1"]
+    node_1 = run(tmp_path, "train.py", *args, "trainer.num_nodes=2", "launch.rendezvous_timeout_s=2", env=env)
+    assert "earlier run" not in node_1.stderr and "gave up" in node_1.stderr, node_1.stderr[-2000:]
+
+
 def test_a_failed_start_leaves_no_run_directory_even_one_the_user_named(trained):
     work, run_dir = trained
     best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))

@@ -33,6 +33,11 @@ def restarted() -> bool:
     )
 
 
+def shares_a_named_dir() -> bool:
+    """Nodes started by hand (MASTER_ADDR, NODE_RANK on each): they share the directory the user names."""
+    return "NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
 def shared_run_name() -> str | None:
     """A run-dir name every process of one launch computes alike, or None when we launch the ranks ourselves.
 

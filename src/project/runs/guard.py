@@ -81,8 +81,10 @@ class RunDirGuard(Callback):
             run_dir = _directory(config, "hydra.run.dir")
             if holds_checkpoints(run_dir):
                 raise _refuse_checkpoints(run_dir)
-            # a directory the launcher names for all its ranks (torchrun, srun) is shared; any other is this run's
-            found = earlier_files(run_dir) if environment.shared_run_name() is None else []
+            # a directory the launcher names for all its ranks (torchrun, srun), or that the user names for the
+            # nodes started by hand, is shared; any other is this run's own
+            shared = environment.shared_run_name() is not None or environment.shares_a_named_dir()
+            found = earlier_files(run_dir) if not shared else []
             if found:
                 raise UserError(
                     f"hydra.run.dir={run_dir} already holds an earlier run's files "
