@@ -106,6 +106,8 @@ def _leave(code: Any) -> None:
     import atexit
     import threading
 
+    if sys.getprofile() is not None:  # `python -m cProfile` writes its stats after the script returns
+        raise SystemExit(code)
     status = code if isinstance(code, int) else 0 if code is None else 1
     if not isinstance(code, (int, type(None))):
         print(code, file=sys.stderr)
