@@ -12,8 +12,8 @@ install: $(BIN)/python  ## create .venv and install the project with its dev too
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-test:  ## the whole suite, slow end-to-end tests included; two test files at a time (most of it is process start-up)
-	$(BIN)/pytest -n 2 --dist loadfile
+test:  ## the whole suite, slow end-to-end tests included; three test files at a time on 2 cores (many tests wait on processes they started)
+	$(BIN)/pytest -n 3 --dist loadfile
 
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
