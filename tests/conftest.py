@@ -7,10 +7,15 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
+# One OpenMP thread per process the suite starts (set before torch loads): `make test` runs three test files at
+# a time on 2 cores, and with more OpenMP threads than cores libgomp's threads wait on each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from slurm_cluster import slurm_cluster  # noqa: F401  a fixture: a real one-node SLURM cluster
 from warm import Warm
 
 from project.config import register

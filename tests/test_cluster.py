@@ -1,4 +1,5 @@
-"""Ranks started outside Lightning: torchrun, several "nodes" on localhost, SLURM's srun (faked)."""
+"""Ranks started outside Lightning: torchrun, several "nodes" on localhost; SLURM's variables parsed (srun on a real
+cluster: tests/test_slurm.py)."""
 
 import json
 import os
@@ -178,35 +179,3 @@ def test_two_nodes_on_localhost_one_process_each(tmp_path):
     seen = assert_two_ranks_split_the_data(probe)
     assert [r["node_rank"] for r in seen] == [0, 1]
     assert (run / "checkpoints" / "last.ckpt").is_file()
-
-
-@pytest.mark.slow
-def test_srun_tasks_are_the_ranks_under_faked_slurm(tmp_path):
-    probe, logs = tmp_path / "probe", tmp_path / "logs"
-    probe.mkdir()
-    slurm = {
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_NNODES": "1",
-        "SLURM_NODEID": "0",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_STEP_ID": "0",
-        "SLURM_JOB_NAME": "train",
-        "SLURM_NODELIST": "localhost",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "PROBE_DIR": str(probe),
-    }
-    procs = [
-        start(
-            [sys.executable, str(TRAIN), "trainer.devices=2", *RUN],
-            {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-            tmp_path,
-        )
-        for r in (0, 1)
-    ]
-    finish(procs)
-    seen = assert_two_ranks_split_the_data(probe)
-    assert {r["environment"] for r in seen} == {"SLURMEnvironment"}
-    (run,) = run_dirs(logs)
-    assert run.name == "slurm_4242_0" and (run / "checkpoints" / "last.ckpt").is_file()

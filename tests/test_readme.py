@@ -64,12 +64,15 @@ ELSEWHERE = {
     "trainer.num_nodes=2 hydra.run.dir=/shared/runs/exp1": (
         "tests/test_cluster.py::test_two_nodes_on_localhost_one_process_each"
     ),
-    "srun python train.py trainer=ddp trainer.devices=4 trainer.num_nodes=2": (
-        "tests/test_cluster.py::test_srun_tasks_are_the_ranks_under_faked_slurm"
+    # on a real one-node SLURM cluster, on CPU (tests/slurm_cluster.py)
+    "sbatch slurm/train.sbatch model=resnet18": "tests/test_slurm.py::test_srun_tasks_are_the_ranks_of_one_run",
+    "sbatch --nodes=2 slurm/train.sbatch": "tests/test_slurm.py::test_srun_tasks_are_the_ranks_of_one_run",
+    "sbatch slurm/requeue.sbatch trainer.max_epochs=100": (
+        "tests/test_slurm.py::test_a_job_requeued_mid_epoch_resumes_its_own_checkpoint_bit_for_bit"
     ),
     "python train.py -m hydra/launcher=slurm trainer=ddp trainer.devices=4 trainer.num_nodes=2 "
     "hydra.launcher.partition=gpu hydra.launcher.timeout_min=600 seed=1,2,3": (
-        "tests/test_slurm.py::test_slurm_launcher_asks_for_one_task_per_device_on_each_node"
+        "tests/test_slurm.py::test_a_sweep_on_slurm_runs_its_ddp_jobs_on_the_cluster_and_records_a_failed_one"
     ),
 }
 
