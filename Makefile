@@ -3,11 +3,20 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-fast lint bench bench-peer bench-pipeline train tensorboard tensorboard-shots devices clean
+.PHONY: install lock upgrade test test-fast lint bench bench-peer bench-pipeline train tensorboard tensorboard-shots devices clean
 
-install: $(BIN)/python  ## create .venv and install the project with its dev tools
-	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[dev]"
+install: $(BIN)/python  ## create .venv with exactly the versions in requirements.lock (hash-checked), then the project
+	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' requirements.lock)"
+	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes requirements.lock
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+
+lock:  ## record what .venv holds (the versions make test just passed with) in requirements.lock, every platform
+	$(BIN)/uv pip freeze --python $(BIN)/python --exclude-editable > .venv/tested.txt
+	$(BIN)/uv pip compile --quiet pyproject.toml --extra dev --universal --generate-hashes \
+		--constraint .venv/tested.txt --custom-compile-command "make lock" --output-file requirements.lock
+
+upgrade:  ## move .venv to the newest versions pyproject.toml allows; then make test, make lock, commit the lock
+	$(BIN)/uv pip install --python $(BIN)/python --upgrade -e ".[dev]"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,56 @@
+"""`make install` installs exactly requirements.lock, and the lock still satisfies pyproject.toml's ranges."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from conftest import REPO
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+LOCK = REPO / "requirements.lock"
+
+
+def _locked() -> dict[str, str]:
+    """name -> version for the lines of the lock that apply to this interpreter and platform."""
+    pins = {}
+    for line in LOCK.read_text().splitlines():
+        found = re.match(r"^([A-Za-z0-9_.\-]+)==([^ ;\\]+)\s*(?:;\s*(.*?))?\s*\\?$", line)
+        if found and (found[3] is None or Marker(found[3]).evaluate()):
+            pins[canonicalize_name(found[1])] = found[2]
+    return pins
+
+
+def test_the_environment_holds_exactly_the_locked_versions():
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    pins = _locked()
+    assert len(pins) > 100 and "torch" in pins and "lightning" in pins
+    wrong = {name: (version, installed.get(name)) for name, version in pins.items() if installed.get(name) != version}
+    assert not wrong, f"locked vs installed (run make install): {wrong}"
+    lines = LOCK.read_text().splitlines()
+    unhashed = [a for a, b in zip(lines, lines[1:]) if re.match(r"^[A-Za-z0-9]", a) and "--hash=sha256:" not in b]
+    assert not unhashed, f"pins without a hash (run make lock): {unhashed}"
+
+
+def test_the_lock_satisfies_the_ranges_in_pyproject():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [
+        r for extra in ("slurm", "trackers") for r in project["optional-dependencies"][extra]
+    ]
+    pins = _locked()
+    for text in wanted:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is in pyproject.toml but not in requirements.lock: run make lock"
+        assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} vs {text}"
+
+
+def test_make_knows_install_lock_and_upgrade():
+    dry = subprocess.run(["make", "-n", "install", "lock", "upgrade"], cwd=REPO, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert "--require-hashes requirements.lock" in dry.stdout and "--output-file requirements.lock" in dry.stdout
+    assert Path(sys.executable).parent.joinpath("uv").is_file()
