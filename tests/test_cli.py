@@ -322,6 +322,7 @@ def test_devices_command_reports_what_torch_sees_under_cuda_visible_devices():
     )
     expected = "CUDAAccelerator on cuda:0" if count else "CPUAccelerator on cpu"
     assert lines[-1] == f"Default trainer (accelerator=auto, devices=1) picks: {expected}"
+    assert "srun" not in proc.stderr  # a login node with SLURM: no warning that this was not started by srun
 
 
 def test_devices_lists_every_visible_gpu(monkeypatch):

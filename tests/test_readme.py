@@ -31,6 +31,8 @@ ELSEWHERE = {
     "make test": ".ci/run",
     "make test-fast": ".ci/run",  # a part of make test
     "make lint": ".ci/run",
+    "make upgrade": "tests/test_install.py::test_make_knows_install_lock_and_upgrade",
+    "make lock": "tests/test_install.py::test_make_knows_install_lock_and_upgrade",
     "python train.py -m hydra/launcher=parallel hydra.launcher.n_jobs=4 hparams_search=digits_optuna": (
         "tests/test_parallel_sweeps.py::test_parallel_workers_get_their_own_cores_and_more_jobs_than_gpus_are_refused"
     ),

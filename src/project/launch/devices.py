@@ -2,6 +2,7 @@
 
 import logging
 import os
+import warnings
 
 
 def describe() -> list[str]:
@@ -35,6 +36,8 @@ def default_choice() -> str:
     import lightning.pytorch as L
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    # as in project.build: on a login node that has srun, Lightning warns that this process was not started by it
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
