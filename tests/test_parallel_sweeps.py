@@ -1,14 +1,20 @@
-"""Parallel sweeps (hydra/launcher=parallel): one slot per worker process, its own GPUs or CPU cores.
+"""Parallel sweeps (hydra/launcher=parallel): one slot per worker process, its own GPUs or CPU cores; an Optuna
+search keeps every worker busy, one trial after the other, never a batch.
 
 GPU pinning is not run on a GPU here: the GPU ids come from CUDA_VISIBLE_DEVICES, set by the tests."""
 
+import csv
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import optuna
 import pytest
-from conftest import cli_env
+from conftest import REPO, cli_env
 
 from project.callbacks.device_slots import share, visible_gpus
 
@@ -65,3 +71,114 @@ def test_parallel_workers_get_their_own_cores_and_more_jobs_than_gpus_are_refuse
     )  # fmt: skip
     assert refused.returncode == 2
     assert refused.stderr == "error: hydra.launcher.n_jobs=3: only 2 GPUs; run at most one job per GPU\n"
+
+
+def span(job: Path) -> tuple[float, float]:
+    """When a sweep job ran: its saved config (written as it starts) to its newest file."""
+    start = (job / ".hydra" / "config.yaml").stat().st_mtime
+    return start, max(p.stat().st_mtime for p in job.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_an_optuna_search_starts_the_next_trial_as_soon_as_a_worker_is_free(cli, tmp_path):
+    """Trial 0 is long (pruned after 10 epochs), the others take one epoch (trial 2 fails at once): with batches of
+    2, trial 2 could start only once trial 0 ended. The trials are queued in the study first, so their order and
+    parameters are known; a user's own net (tests/user_models.py) is trained."""
+    storage = f"sqlite:///{tmp_path}/logs/optuna.db"
+    (tmp_path / "logs").mkdir()
+    queued = optuna.create_study(study_name="long_and_short", storage=storage, direction="maximize")
+    for epochs, lr in ((20, 0.001), (1, 0.001), (1, -1.0), (1, 0.001)):
+        queued.enqueue_trial({"trainer.max_epochs": epochs, "model.optimizer.lr": lr})
+    proc = cli(
+        "train.py", "-m", "hparams_search=digits_optuna", "hydra/launcher=parallel",
+        "hydra.sweeper.study_name=long_and_short", "hydra.sweeper.n_trials=4", "hydra.sweeper.params=null",
+        "trainer.max_epochs=choice(1,20)", "model.optimizer.lr=choice(-1.0,0.001)",  # -1: the job fails
+        "trainer.limit_train_batches=30", "~model.net", "+model.net._target_=user_models.ResidualNet",
+        "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner", "~hydra.sweeper.pruner.n_startup_trials",
+        "+hydra.sweeper.pruner.lower=1.01", "hydra.sweeper.pruner.n_warmup_steps=9",  # prunes after 10 epochs
+        env={"PROJECT_PROFILE": "tiny"}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "2 trials at a time: the next one starts as soon as any of them ends" in proc.stdout + proc.stderr
+    trials = optuna.load_study(study_name="long_and_short", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["PRUNED", "COMPLETE", "FAIL", "COMPLETE"]  # n_trials, nothing more
+    assert list(trials[0].intermediate_values) == list(range(10))  # the pruner, judging in the workers
+    assert trials[2].user_attrs["error"] == "model.optimizer: ValueError: Invalid learning rate: -1.0"
+
+    (root,) = (tmp_path / "logs" / "train" / "multiruns").glob("*")
+    assert sorted(p.name for p in root.iterdir() if (p / ".hydra").is_dir()) == ["0", "1", "2", "3"]
+    (start_long, end_long), (_, end_first_short) = span(root / "0"), span(root / "1")
+    later = {n: span(root / n)[0] for n in ("2", "3")}
+    # a worker took trial 2 when trial 1 ended, while trial 0 still ran: impossible with batches of 2
+    assert end_first_short < later["2"] < end_long and start_long < later["2"]
+    assert trials[2].datetime_start < trials[0].datetime_complete  # the study asked for it then, too
+
+    rows = {r["job"]: r for r in csv.DictReader((root / "summary.csv").open())}
+    assert [rows[n]["status"] for n in "0123"] == ["pruned", "ok", "failed", "ok"]
+    assert rows["0"]["epochs"] == "10" and rows["1"]["epochs"] == "1"
+    assert (root / "2" / "error.txt").read_text().startswith("model.optimizer: ValueError: Invalid learning rate")
+    lines = proc.stderr.strip().splitlines()
+    assert "error: sweep job 2 (" in proc.stderr and "Traceback" not in proc.stderr
+    assert lines[-1] == f"error: 1 of 4 sweep jobs failed; see {root}/<job>/error.txt"
+
+
+def _worker_running(job: Path) -> int | None:
+    """The pid of the joblib worker process whose job writes into `job` (its open train.log)."""
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if fd.readlink() == job / "train.log" and "loky" in (fd.parents[1] / "cmdline").read_text():
+                return int(fd.parents[1].name)
+        except OSError:  # a process or descriptor that went away meanwhile
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_its_trials_and_ctrl_c_leaves_the_search_to_resume(tmp_path):
+    """kill -9 of the worker running trial 0: joblib stops its whole pool, so the trials running then fail with that
+    reason and the search goes on with new workers; Ctrl-C then ends it as it ends a single run (exit 130), the
+    trials it cut off queued to run again first."""
+    command = [
+        sys.executable, str(REPO / "train.py"), "-m", "hparams_search=digits_optuna", "hydra/launcher=parallel",
+        "hydra.sweeper.n_trials=8", "trainer.limit_train_batches=200", "~model.net",
+        "+model.net._target_=user_models.TutorialCNN",
+    ]  # fmt: skip
+    sweep = subprocess.Popen(
+        command, cwd=tmp_path, env=cli_env(PROJECT_PROFILE="tiny"), stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, start_new_session=True,  # its own process group, as a terminal gives it
+    )  # fmt: skip
+    multiruns = tmp_path / "logs" / "train" / "multiruns"
+
+    def wait_for(found, what: str):
+        deadline = time.time() + 120
+        while not (result := found()):
+            assert sweep.poll() is None and time.time() < deadline, f"no {what}: {sweep.communicate()[1][-3000:]}"
+            time.sleep(0.2)
+        return result
+
+    root = wait_for(lambda: next(multiruns.glob("*"), None), "sweep dir")
+    os.kill(wait_for(lambda: _worker_running(root / "0"), "worker running trial 0"), signal.SIGKILL)
+    wait_for(lambda: list(root.glob("[2-9]/.hydra")), "trial after the lost ones")  # new workers took them
+    time.sleep(1)
+    os.killpg(sweep.pid, signal.SIGINT)
+    _, stderr = sweep.communicate(timeout=60)
+    assert sweep.returncode == 130, stderr[-3000:]
+    # (joblib's resource tracker, in the same process group, may print a KeyError of its own after this line)
+    cut = re.search(r"\nstopped by SIGINT: trials \[([\d, ]+)\] were cut off; the same command runs them again first\n",
+                    stderr)  # fmt: skip
+    assert cut and "Traceback" not in stderr[: cut.start()], stderr[-3000:]
+
+    storage = f"sqlite:///{tmp_path}/logs/optuna.db"
+    (name,) = optuna.get_all_study_names(storage)
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials()
+    lost = [t for t in trials if t.user_attrs.get("error", "").startswith("LostJob: ")]
+    assert 0 in [t.number for t in lost] and all(t.state.name == "FAIL" for t in lost)
+    reason = "LostJob: its worker process died, or was stopped with the pool when another worker died: Terminated"
+    assert all(t.user_attrs["error"].startswith(reason) for t in lost)
+    for trial in lost:  # a failed job as any other: its error.txt, and its line on stderr
+        assert (root / str(trial.number) / "error.txt").read_text().startswith("LostJob: its worker process died")
+        assert f"error: sweep job {trial.number}: LostJob: " in stderr
+    interrupted = sorted(t.number for t in trials if t.user_attrs.get("interrupted"))
+    assert interrupted == sorted(int(n) for n in cut.group(1).split(", "))
+    queued = sorted(t.user_attrs["retry_of"] for t in trials if t.state.name == "WAITING")
+    assert queued == interrupted  # they run again first when the same command continues the study

@@ -36,6 +36,9 @@ ELSEWHERE = {
     "python train.py -m hydra/launcher=parallel hydra.launcher.n_jobs=4 hparams_search=digits_optuna": (
         "tests/test_parallel_sweeps.py::test_parallel_workers_get_their_own_cores_and_more_jobs_than_gpus_are_refused"
     ),
+    "optuna-dashboard sqlite:///logs/optuna.db": (
+        "tests/test_optuna_dashboard.py::test_the_dashboard_shows_the_trials_the_sweep_summary_lists"
+    ),
     "source .venv/bin/activate": "tests/test_readme.py::test_the_environment_make_install_makes_can_be_activated",
     "make tensorboard-shots": "tests/test_tensorboard.py::test_screenshots_of_the_scalars_hparams_and_images_pages",
     "tensorboard --logdir logs": "tests/test_tensorboard.py::test_the_server_shows_the_runs_by_name_with_their_scalars",

@@ -21,6 +21,9 @@ INTERRUPTED_ATTR = "interrupted"  # trial user attr: the sweep died during this 
 # writes it; the sweeper writes it for failures the job could not record itself). SweepReport and the sweep
 # summary read it there, whatever launcher ran the job.
 ERROR_FILE = "error.txt"
+# In the sweep dir: which study the sweep ran (name, storage, direction), for the summary's Optuna plots
+# (plots.py) and for a person looking for the study of a sweep.
+STUDY_FILE = "optuna_study.yaml"
 
 
 @dataclass
@@ -31,7 +34,7 @@ class ProjectOptunaSweeperConf:
     storage: Optional[str] = None  # an Optuna storage URL (sqlite:////abs/path.db); null: in memory, no resume
     study_name: Optional[str] = None  # null: derived from the search, so another search never shares its study
     n_trials: int = 20  # finished trials of the whole study, over all restarts
-    n_jobs: int = 1  # trials handed to the launcher at once: the launcher's parallelism
+    n_jobs: int = 1  # trials at once: the launcher's parallelism (parallel: kept in flight; basic: a batch)
     sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "seed": None})
     pruner: Any = None  # e.g. {_target_: optuna.pruners.MedianPruner, n_warmup_steps: 1}; null: never prune
     max_failures: Optional[int] = None  # stop asking for new trials after this many failed in this run

@@ -18,7 +18,13 @@ def _make_sqlite_dir(storage: str) -> None:
     if storage.startswith("sqlite:///"):
         path = Path(storage.removeprefix("sqlite:///"))
         if str(path) not in ("", ":memory:"):
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SweeperConfigError(
+                    f"hydra.sweeper.storage={storage}: its folder cannot be made ({e.strerror}); use a storage on "
+                    "a writable disk"
+                ) from e
 
 
 def lock(name: str, storage: Optional[str]) -> Any:
@@ -86,6 +92,10 @@ def open_study(
         if type(e).__module__.split(".")[0] != "sqlalchemy":
             raise
         detail = " ".join(str(getattr(e, "orig", e)).split())[:200]
+        if type(e).__name__ in ("ArgumentError", "NoSuchModuleError"):  # not a database URL SQLAlchemy knows
+            raise SweeperConfigError(
+                f"hydra.sweeper.storage={storage}: cannot be opened ({detail}); check the URL"
+            ) from e
         raise SweeperConfigError(
             f"hydra.sweeper.storage={storage}: cannot be written ({detail}); use a storage on a writable disk"
         ) from e
@@ -132,6 +142,11 @@ def finished(study: Any) -> int:
 
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     return sum(1 for t in study.get_trials(deepcopy=False, states=states) if not t.user_attrs.get(INTERRUPTED_ATTR))
+
+
+def save_name(path: Path, name: str, storage: Optional[str], direction: str) -> None:
+    """optuna_study.yaml in the sweep dir: the study this sweep ran, where the summary's Optuna plots find it."""
+    OmegaConf.save(OmegaConf.create({"study_name": name, "storage": storage, "direction": direction}), path)
 
 
 def save_best(study: Any, path: Path) -> None:

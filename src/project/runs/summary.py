@@ -214,11 +214,21 @@ def plot(jobs: list[Job], metric: str, path: Path) -> None:
     plt.close(fig)
 
 
+def optuna_plots(sweep_dir: Path) -> str:
+    """Optuna's own plots beside summary.png, for a sweep dir that names its Optuna study (optuna_study.yaml, left
+    by our Optuna sweeper), and the section of summary.md that lists them; "" for any other sweep."""
+    if not (sweep_dir / "optuna_study.yaml").is_file():
+        return ""
+    import importlib  # the plugin by name, as project.callbacks.pruning imports it (mypy sees src/ by path)
+
+    return importlib.import_module("hydra_plugins.project_optuna_sweeper.plots").write(sweep_dir)
+
+
 def write_summary(sweep_dir: Path) -> list[Job]:
-    """summary.csv, summary.md and summary.png in `sweep_dir`; returns the rows."""
+    """summary.csv, summary.md and summary.png in `sweep_dir` (and an Optuna sweep's plots); returns the rows."""
     jobs, metric = read_sweep(sweep_dir)
     (sweep_dir / "summary.csv").write_text(to_csv(jobs, metric))
-    (sweep_dir / "summary.md").write_text(to_markdown(jobs, metric, sweep_dir))
+    (sweep_dir / "summary.md").write_text(to_markdown(jobs, metric, sweep_dir) + optuna_plots(sweep_dir))
     if jobs:
         plot(jobs, metric, sweep_dir / "summary.png")
     return jobs
