@@ -64,6 +64,7 @@ def test_parallel_workers_get_their_own_cores_and_more_jobs_than_gpus_are_refuse
     assert pins["2"] in (pins["0"], pins["1"])  # a reused worker keeps its slot and cores
     assert len({p[2] for p in pins.values()}) == 2  # one core each on 2 cores
     assert (root / "summary.csv").is_file() and "error" not in proc.stderr
+    assert "deprecated" not in proc.stderr  # the workers ignore the warnings the command line's process ignores
 
     refused = cli(
         "train.py", "-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=3", "seed=1,2,3",

@@ -71,12 +71,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
-    # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # said in our words, with the fix, by project.models.contract (it stops the run)
-    warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
-    # a resumed run writes into its own new directory, by design: not a problem to report
-    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    _ignore_known_warnings()
     sweeps.remember_entry_script()
     try:
         try:
@@ -90,6 +85,16 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     except SystemExit as e:
         _leave(e.code)
     _leave(0)
+
+
+def _ignore_known_warnings() -> None:
+    """In the process that parsed the command line and in a parallel sweep's workers (which start at `run`)."""
+    # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # said in our words, with the fix, by project.models.contract (it stops the run)
+    warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
+    # a resumed run writes into its own new directory, by design: not a problem to report
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 def _remove_unused_sweep_dir() -> None:
@@ -178,6 +183,7 @@ def run(task: str, cfg: DictConfig) -> Any:
     sweep goes on (project.launch.sweeps.SweepReport exits non-zero at its end)."""
     from project.config.schema import check_config
 
+    _ignore_known_warnings()
     hc = HydraConfig.get()
     try:
         check_config(cfg)
