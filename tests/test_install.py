@@ -3,10 +3,10 @@
 import re
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 from packaging.markers import Marker
 from packaging.requirements import Requirement
@@ -37,6 +37,7 @@ def test_the_environment_holds_exactly_the_locked_versions():
 
 
 def test_the_lock_satisfies_the_ranges_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     wanted = project["dependencies"] + [
         r for extra in ("slurm", "trackers") for r in project["optional-dependencies"][extra]

@@ -75,6 +75,21 @@ class RunConfig:
 
 
 @dataclass
+class TuneConfig:
+    """`tune=lr|batch_size`: Lightning's finders before training (project.tasks.tune)."""
+
+    mode: str = MISSING  # lr | batch_size
+    apply: bool = False  # train with the value found (else stop after tuning and say the override)
+    key: Optional[str] = None  # the config key of the value; None: model.optimizer.lr, model.lr, ... / data.batch_size
+    min_lr: float = 1e-6
+    max_lr: float = 1.0
+    num_training: int = 100  # steps of the learning-rate sweep
+    init_val: int = 2  # the batch size the batch-size finder starts from, doubled each trial
+    max_trials: int = 6
+    steps_per_trial: int = 3
+
+
+@dataclass
 class TrainConfig(RunConfig):
     task_name: str = "train"
     train: bool = True
@@ -88,6 +103,7 @@ class TrainConfig(RunConfig):
     model: Any = MISSING
     callbacks: Any = field(default_factory=dict)
     logger: Any = field(default_factory=dict)
+    tune: Optional[TuneConfig] = None
 
 
 @dataclass

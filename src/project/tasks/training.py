@@ -16,6 +16,7 @@ from project.models import contract
 from project.runs import checkpoints, resume
 from project.runs.dirs import make_output_dirs
 from project.runs.results import write_metrics
+from project.tasks import tune
 from project.tasks.numerics import set_matmul_precision
 from project.tasks.seeding import seed_run
 
@@ -27,6 +28,8 @@ def train(cfg: DictConfig) -> float | None:
     not logged."""
     check_config(cfg)
     build.check(cfg)
+    if cfg.tune:
+        tune.check(cfg)
     output_dir = Path(cfg.paths.output_dir)
     resume.check_output_dir(output_dir, environment.restarted())
     make_output_dirs(cfg)
@@ -50,6 +53,15 @@ def train(cfg: DictConfig) -> float | None:
     contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))
     if ckpt_path:
         checkpoints.check_weights_fit(ckpt_path, resumed, model)
+    if cfg.tune:
+        report = tune.find(cfg, model, datamodule, output_dir)
+        if not cfg.tune.apply:
+            log.info("tune=%s found %s; train with: python train.py %s", *_said(cfg, report))
+            return None
+        log.info("tune=%s found %s; training with %s (tune.apply=true)", *_said(cfg, report))
+        tune.apply(cfg, report)
+        seed_run(cfg.seed)  # built again as `python train.py <override>` would build them
+        datamodule, model = build.datamodule(cfg.data), build.model(cfg.model)
     # Every checkpoint carries the plain run config (project.runs.checkpoints.load_model rebuilds the model from it),
     # loadable with weights_only=True; the module's own hyperparameters stay its own.
     run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -84,3 +96,7 @@ def train(cfg: DictConfig) -> float | None:
         if best and trainer.is_global_zero:
             log.info("Tested %s", best)
     return sweeps.objective(metrics, objective)
+
+
+def _said(cfg: DictConfig, report: dict[str, Any]) -> tuple[str, Any, str]:
+    return cfg.tune.mode, report["value"], report["override"]
