@@ -93,3 +93,19 @@ def test_a_model_whose_lr_is_not_in_its_config_needs_tune_key(make_cfg):
     cfg = make_cfg("tune=lr", "model=autoencoder", "~model.lr")
     with pytest.raises(UserError, match=r"tune=lr: none of model.optimizer.lr, model.lr, .* set tune.key="):
         tune.config_key(cfg)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["tune=lr", "tune.min_lr=-1"],
+        ["tune=lr", "tune.min_lr=1", "tune.max_lr=0.1"],
+        ["tune=lr", "tune.num_training=0"],
+        ["tune=batch_size", "tune.max_trials=0"],
+        ["tune=batch_size", "tune.init_val=0"],
+        ["tune=lr", "tune.mode=foo"],
+    ],
+)
+def test_bad_finder_settings_are_refused_before_anything_runs(make_cfg, bad):
+    with pytest.raises(UserError, match=r"^tune\."):
+        tune.check(make_cfg(*bad))

@@ -44,6 +44,17 @@ def check(cfg: DictConfig) -> None:
     """What the finders cannot do, said before anything is built."""
     if cfg.tune.mode not in ("lr", "batch_size"):
         raise UserError(f"tune.mode={cfg.tune.mode!r}: lr or batch_size (tune=lr, tune=batch_size)")
+    t = cfg.tune
+    if t.mode == "lr" and not (0 < t.min_lr < t.max_lr and t.num_training >= 20):
+        raise UserError(
+            f"tune.min_lr={t.min_lr}, tune.max_lr={t.max_lr}, tune.num_training={t.num_training}: the finder needs "
+            "0 < min_lr < max_lr and at least 20 steps"
+        )
+    if t.mode == "batch_size" and min(t.init_val, t.max_trials, t.steps_per_trial) < 1:
+        raise UserError(
+            f"tune.init_val={t.init_val}, tune.max_trials={t.max_trials}, tune.steps_per_trial={t.steps_per_trial}: "
+            "each at least 1"
+        )
     if sweeps.is_multirun():
         raise UserError("tune: Lightning's finders tune one run; run it without -m, then sweep with the value found")
     if cfg.ckpt_path:
