@@ -2,15 +2,21 @@
 another task; `tune.apply=true` trains exactly as the printed override would."""
 
 import json
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_dirs
+from conftest import REPO, cli_env, run_dirs
 
+from project import build
 from project.errors import UserError
 from project.tasks import tune
+from project.tasks.seeding import seed_run
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +60,24 @@ def test_apply_trains_with_the_value_as_the_override_would(cli, tmp_path):
         assert torch.equal(value, again[name]), name
 
 
-def test_the_batch_size_finder_says_the_override(cli, tmp_path):
-    proc = cli("train.py", *USER_NET, "tune=batch_size", env=TINY)
-    (run,) = run_dirs(tmp_path / "logs")
-    report = json.loads((run / "tune.json").read_text())
-    assert report == {"mode": "batch_size", "key": "data.batch_size", "value": 64, "override": "data.batch_size=64"}
-    assert "train with: python train.py data.batch_size=64" in proc.stdout + proc.stderr  # 2 doubled 5 times: bounded
-    assert not list(tmp_path.rglob(".scale_batch_size*"))
+def test_ctrl_c_stops_a_search_at_once_and_leaves_nothing(tmp_path):
+    """The run's own signal handling acts in callbacks, which the finders set aside while they search: Ctrl-C
+    went unheard until the search ended (minutes for a long one). Now it stops the search, exit 130."""
+    argv = [sys.executable, str(REPO / "train.py"), "tune=lr", "tune.num_training=100000"]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=cli_env(**TINY), stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("logs/train/runs/*/.tune/.lr_find_*.ckpt")):  # the search has begun
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    assert time.monotonic() - sent < 10
+    lines = (tmp_path / "stderr.txt").read_text().strip().splitlines()
+    assert lines[-1] == "stopped by SIGINT during tune=lr: nothing was found or written"
+    assert not [p for p in tmp_path.glob("logs/**/*") if p.is_file()]  # the run dir went, scratch checkpoint too
 
 
 @pytest.mark.parametrize(
@@ -87,12 +104,58 @@ def test_a_sweep_of_finders_fails_each_job_with_the_reason(cli, tmp_path):
     assert not list(tmp_path.rglob("tune.json"))
 
 
-def test_a_model_whose_lr_is_not_in_its_config_needs_tune_key(make_cfg):
-    """A user's LightningModule that sets its lr in configure_optimizers: the finder can still run (without
-    apply, tune.key only names the override), but the key must come from the user."""
-    cfg = make_cfg("tune=lr", "model=autoencoder", "~model.lr")
-    with pytest.raises(UserError, match=r"tune=lr: none of model.optimizer.lr, model.lr, .* set tune.key="):
-        tune.config_key(cfg)
+@pytest.mark.parametrize("mode", ["lr", "batch_size"])
+def test_the_finders_give_the_weights_back_and_leave_only_their_report(make_cfg, tmp_path, mode):
+    """In-process, on a user's net: Lightning trains the model while it searches, then restores it from its
+    scratch checkpoint; the weights after are those before, bit for bit, and the checkpoint is gone."""
+    cfg = make_cfg("profile=tiny", f"tune={mode}", *USER_NET)
+    seed_run(cfg.seed)
+    model, datamodule = build.model(cfg.model), build.datamodule(cfg.data)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = tune.find(cfg, model, datamodule, tmp_path / "out")
+    if mode == "lr":  # it did train: 100 steps, a loss that moved
+        assert len(report["lr"]) == 100 and len(set(report["loss"])) > 50
+    else:  # six trials of three steps, each batch size twice the last, all of which fit: bounded by max_trials
+        assert report == {
+            "mode": "batch_size",
+            "key": "data.batch_size",
+            "value": 64,
+            "override": "data.batch_size=64",
+            "stopped_by": "tune.max_trials=6: raise it to try larger batches",
+        }
+        assert tune.said(report, applied=False) == (  # what the run prints (the lr test reads it from the CLI)
+            "tune=batch_size found 64 (stopped by tune.max_trials=6: raise it to try larger batches); "
+            "train with: python train.py data.batch_size=64"
+        )
+        assert datamodule.batch_size == 64  # Lightning leaves the datamodule changed: apply builds it again
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == (["lr_find.png", "tune.json"] if mode == "lr" else ["tune.json"])
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_module_that_hard_codes_its_lr_is_told_which_key_to_give_it(make_cfg, tmp_path):
+    """tests/user_models.LitAutoEncoder, Lightning's README example as users copy it: Adam(lr=1e-3) written in its
+    configure_optimizers. No config key holds its rate, and a key that is not its rate is caught after the search
+    (the optimizer the search restores starts elsewhere), before anything is written."""
+    lit = [
+        "model=autoencoder",
+        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
+        "model._target_=user_models.LitAutoEncoder",
+        "test=false",
+    ]
+    with pytest.raises(UserError, match=r"^tune=lr: none of model.optimizer.lr, model.lr, .* set tune.key="):
+        tune.check(make_cfg("profile=tiny", "tune=lr", *lit))
+    cfg = make_cfg("profile=tiny", "tune=lr", *lit, "tune.key=model.hidden")
+    model, datamodule = build.model(cfg.model), build.datamodule(cfg.data)
+    with pytest.raises(UserError) as refused:
+        tune.find(cfg, model, datamodule, tmp_path / "out")
+    assert str(refused.value).startswith(
+        "tune=lr: the optimizer starts at lr=0.001, not at model.hidden=128: the model does not read its rate from "
+        "model.hidden; pass the rate to its configure_optimizers from a config key and name it with tune.key=<key>"
+    )
+    assert list((tmp_path / "out").iterdir()) == []  # no plot, no report, no scratch checkpoint
 
 
 @pytest.mark.parametrize(

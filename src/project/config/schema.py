@@ -86,6 +86,7 @@ class TuneConfig:
     num_training: int = 100  # steps of the learning-rate sweep
     init_val: int = 2  # the batch size the batch-size finder starts from, doubled each trial
     max_trials: int = 6
+    max_val: int = 8192  # the largest batch size the batch-size finder tries
     steps_per_trial: int = 3
 
 

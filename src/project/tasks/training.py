@@ -7,6 +7,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from project import build
+from project.callbacks import averaging
 from project.callbacks.checks import DivergedError
 from project.callbacks.monitor import Monitor, best_key
 from project.callbacks.schedule import StretchSchedule
@@ -56,9 +57,9 @@ def train(cfg: DictConfig) -> float | None:
     if cfg.tune:
         report = tune.find(cfg, model, datamodule, output_dir)
         if not cfg.tune.apply:
-            log.info("tune=%s found %s; train with: python train.py %s", *_said(cfg, report))
+            log.info("%s", tune.said(report, applied=False))
             return None
-        log.info("tune=%s found %s; training with %s (tune.apply=true)", *_said(cfg, report))
+        log.info("%s", tune.said(report, applied=True))
         tune.apply(cfg, report)
         seed_run(cfg.seed)  # built again as `python train.py <override>` would build them
         datamodule, model = build.datamodule(cfg.data), build.model(cfg.model)
@@ -67,6 +68,8 @@ def train(cfg: DictConfig) -> float | None:
     run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     monitor = Monitor(cfg.monitor.metric, cfg.monitor.mode)
     callbacks = [monitor, *build.named(cfg.callbacks, "callbacks"), *run_callbacks]
+    if ckpt_path and cfg.train:
+        averaging.check_resume(ckpt_path, resumed, callbacks)
     loggers = build.named(cfg.logger, "logger")
     trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch, cfg.checks.every_n_steps, run_config)
     objective = cfg.optimized_metric or best_key(cfg.monitor.metric)
@@ -96,7 +99,3 @@ def train(cfg: DictConfig) -> float | None:
         if best and trainer.is_global_zero:
             log.info("Tested %s", best)
     return sweeps.objective(metrics, objective)
-
-
-def _said(cfg: DictConfig, report: dict[str, Any]) -> tuple[str, Any, str]:
-    return cfg.tune.mode, report["value"], report["override"]
