@@ -39,6 +39,13 @@ ELSEWHERE = {
     "optuna-dashboard sqlite:///logs/optuna.db": (
         "tests/test_optuna_dashboard.py::test_the_dashboard_shows_the_trials_the_sweep_summary_lists"
     ),
+    "mlflow server --backend-store-uri sqlite:///logs/mlflow.db --artifacts-destination logs/mlartifacts "
+    "--host 127.0.0.1 --port 5000": (
+        "tests/test_trackers.py::test_the_mlflow_server_shows_a_runs_config_metrics_and_best_checkpoint"
+    ),
+    "wandb sync logs/train/runs/<run>/wandb/offline-run-*": (
+        "tests/test_trackers.py::test_wandb_offline_runs_hold_the_config_and_metrics_under_the_run_dir"
+    ),
     "source .venv/bin/activate": "tests/test_readme.py::test_the_environment_make_install_makes_can_be_activated",
     "make tensorboard-shots": "tests/test_tensorboard.py::test_screenshots_of_the_scalars_hparams_and_images_pages",
     "tensorboard --logdir logs": "tests/test_tensorboard.py::test_the_server_shows_the_runs_by_name_with_their_scalars",

@@ -231,6 +231,9 @@ def write_summary(sweep_dir: Path) -> list[Job]:
     (sweep_dir / "summary.md").write_text(to_markdown(jobs, metric, sweep_dir) + optuna_plots(sweep_dir))
     if jobs:
         plot(jobs, metric, sweep_dir / "summary.png")
+    from project.loggers import mlflow_sweep  # the summary on the sweep's MLflow parent run, if it has one
+
+    mlflow_sweep.log_summary(sweep_dir)
     return jobs
 
 

@@ -1,0 +1,83 @@
+"""Weights & Biases offline: the run is written under the run dir, no account needed; `wandb sync` uploads it later.
+
+Lightning's WandbLogger, with a resumed run continuing its W&B run (the same id, kept in the run dir:
+project.loggers.tracking) and each sweep job a run of its own: Lightning would log a second job that runs in the
+same process (Hydra's basic launcher, a reused joblib worker) into the first job's still open run.
+"""
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
+
+from project.errors import UserError
+from project.loggers import tracking
+
+log = logging.getLogger(__name__)
+
+NAME = "wandb"
+
+
+class WandbLogger(LightningWandbLogger):
+    """`save_dir` holds `wandb/offline-run-<time>-<id>/`; `run_dir` keeps the id (trackers.json); `resume_from`
+    is the checkpoint a resumed run trains on from, whose run dir names the W&B run to continue when `resume`."""
+
+    def __init__(
+        self,
+        save_dir: str,
+        project: str,
+        run_dir: str,
+        offline: bool = True,
+        name: str | None = None,
+        id: str | None = None,
+        entity: str | None = None,
+        tags: list[str] | None = None,
+        resume_from: str | None = None,
+        resume: bool = True,
+    ) -> None:
+        tracking.require("wandb", NAME)
+        self._run_dir = run_dir
+        continued = tracking.continued(NAME, run_dir, resume_from, resume) if id is None else None
+        if continued is not None:
+            id = str(continued["id"])
+            log.info("Continuing W&B run %s", id)
+        sweep_dir = tracking.sweep_dir()
+        super().__init__(
+            name=name or tracking.run_name(run_dir),
+            save_dir=save_dir,
+            offline=offline,
+            id=id,
+            project=project,
+            entity=entity,
+            tags=tags,
+            group=f"sweep {Path(sweep_dir).name}" if sweep_dir else None,  # a sweep's jobs side by side
+        )
+        self._wandb_init.pop("anonymous", None)  # Lightning passes it always; wandb warns that it does nothing
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            import wandb
+
+            if wandb.run is not None:  # an earlier sweep job's, in this same process: it has ended
+                wandb.run.finish()
+            try:
+                super().experiment
+            except Exception as e:
+                raise UserError(f"logger.wandb: {tracking.one_line(e)}") from e
+            assert self._experiment is not None
+            offline_run = str(Path(self._experiment.dir).parent)  # <save_dir>/wandb/offline-run-<time>-<id>
+            ids = {"id": self._experiment.id, "project": self._project, "dir": offline_run}
+            tracking.remember(self._run_dir, NAME, ids)
+        return self._experiment
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        """The run config as W&B's nested config, and the config groups chosen under `groups`."""
+        super().log_hyperparams(params)
+        if "groups" not in self.experiment.config:
+            self.experiment.config.update({"groups": tracking.chosen_groups()}, allow_val_change=True)
