@@ -142,7 +142,16 @@ def test_the_stages_are_balanced_by_parameters_and_each_runs_in_its_own_thread()
 
 
 def _trainer(**kwargs) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=2, logger=False, max_steps=1, enable_progress_bar=False, **kwargs)
+    # no checkpoints: Lightning would write them under the working directory (the repository)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_checkpointing=False,
+        max_steps=1,
+        enable_progress_bar=False,
+        **kwargs,
+    )
 
 
 def test_a_net_torch_fx_cannot_trace_is_refused_in_one_line_and_leaves_keep_it_whole():
