@@ -96,7 +96,7 @@ def _tuning_trainer(cfg: DictConfig, scratch: Path) -> Any:
 
     trainer = build.trainer(
         # the finders count their own steps: the run's epoch and time limits would cut them short
-        OmegaConf.create({**_plain(cfg.trainer), "default_root_dir": str(scratch), **UNLIMITED}),
+        OmegaConf.create({**_plain(cfg.trainer), "default_root_dir": str(scratch), **UNLIMITED, **_no_validation(cfg)}),
         [],
         [],
         cfg.launch,
@@ -113,6 +113,13 @@ def _tuning_trainer(cfg: DictConfig, scratch: Path) -> Any:
     # set the callbacks aside while they search. `find` stops the search on a signal itself.
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, (RunChecks, RunState))]
     return trainer
+
+
+def _no_validation(cfg: DictConfig) -> dict[str, Any]:
+    """The learning-rate finder reads the training loss only, but Lightning's lets it validate up to num_training
+    batches at every epoch end (on the tiny profile's 3-batch epochs: 33 validations). The batch-size finder
+    validates on purpose: a batch must fit in validation too."""
+    return {"check_val_every_n_epoch": 2**31 - 1, "num_sanity_val_steps": 0} if cfg.tune.mode == "lr" else {}
 
 
 def _plain(cfg: DictConfig) -> dict[str, Any]:
