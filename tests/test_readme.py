@@ -187,17 +187,19 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _python_argv(command: str) -> list[str] | None:
-    """`python <args>` as the argv the interpreter would get from bash (quotes, variables and globs expanded by bash
-    itself), or None for a command that is more than one program (pipes, redirections, `&&`) or not python."""
+    """`python <args>` (or `pytest <args>`) as the argv the interpreter would get from bash (quotes, variables and
+    globs expanded by bash itself), or None for a command that is more than one program (pipes, redirections, `&&`)
+    or not python."""
     lex = shlex.shlex(command, posix=True, punctuation_chars=True)
     lex.whitespace_split = True
     words = list(lex)
-    if len(words) < 2 or words[0] != "python" or any(set(w) <= set("|&;<>()") for w in words):
+    if len(words) < 2 or words[0] not in ("python", "pytest") or any(set(w) <= set("|&;<>()") for w in words):
         return None
     expanded = subprocess.run(
         ["bash", "-c", "printf '%s\\0' " + command.split(None, 1)[1]], capture_output=True, text=True
     )
-    return [sys.executable, *expanded.stdout.split("\0")[:-1]] if expanded.returncode == 0 else None
+    module = ["-m", "pytest"] if words[0] == "pytest" else []  # the venv's `pytest` script is `python -m pytest`
+    return [sys.executable, *module, *expanded.stdout.split("\0")[:-1]] if expanded.returncode == 0 else None
 
 
 def run_command(workdir: Path, command: str, expected: str | None) -> None:
