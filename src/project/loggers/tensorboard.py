@@ -44,7 +44,7 @@ def _run_choices() -> tuple[dict[str, str], list[str]]:
     return choices, [k for k in keys if "/" not in k and k not in GROUPS and k != "profile"]
 
 
-def _sweep_job_name() -> str:
+def sweep_job_name() -> str:
     """In a sweep, what this job changes (`model=mlp,seed=1`), so that TensorBoard's run list says which run is
     which; a single run keeps its directory's name (its start time) alone."""
     from hydra.core.hydra_config import HydraConfig
@@ -70,7 +70,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         log_graph: bool = False,
         **kwargs: Any,
     ) -> None:
-        version = _sweep_job_name() if version is None else version
+        version = sweep_job_name() if version is None else version
         super().__init__(save_dir, name=name, version=version, log_graph=log_graph, default_hp_metric=False, **kwargs)
         self.hparam_keys, self.metric_names = list(hparams), list(metrics)
         self._summary_written = False

@@ -38,19 +38,18 @@ def one_line(error: BaseException) -> str:
 def sweep_dir() -> str | None:
     """The sweep dir of a sweep job; None for a single run."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return None
-    return str(HydraConfig.get().sweep.dir)
+    from project.launch.sweeps import is_multirun
+
+    return str(HydraConfig.get().sweep.dir) if is_multirun() else None
 
 
 def run_name(run_dir: str) -> str:
     """A sweep job by what it changes (`model=mlp,seed=1`, as in TensorBoard), a single run by its dir's name
     (its start time)."""
-    from project.loggers.tensorboard import _sweep_job_name
+    from project.loggers.tensorboard import sweep_job_name
 
-    return _sweep_job_name() or Path(run_dir).name
+    return sweep_job_name() or Path(run_dir).name
 
 
 def chosen_groups() -> dict[str, str]:
