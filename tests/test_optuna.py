@@ -52,7 +52,8 @@ def test_a_killed_search_resumes_without_repeating_finished_trials(cli, tmp_path
     deadline = time.time() + 120
     while not list(tmp_path.glob("logs/train/multiruns/*/1/.hydra")):  # trial 0 is done, trial 1 has started
         assert first.poll() is None and time.time() < deadline, first.stderr.read().decode() if first.stderr else ""
-        time.sleep(0.2)
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGSTOP)  # hold trial 1 where it is: on a slow machine it could end before the kill
     # a second sweep on the study while the first runs: refused in one line, the first's trial left alone
     second = cli("train.py", *SEARCH, "hydra.sweeper.n_trials=4", env=TINY, check=False)
     assert second.returncode == 2
