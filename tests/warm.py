@@ -6,16 +6,21 @@ A run of `train.py` spends most of its time importing (about 5 s of CPU here, RE
 hundreds of them. The server imports only third-party packages, never this project's, so each run imports the
 project from wherever its own PYTHONPATH says (the README tests run a fresh copy of the repository). Each run is its
 own forked process: nothing of one run (signals, seeds, Hydra's global state, environment) reaches the next, and
-the server runs no torch operation, so no thread pool exists to be broken by the fork. Processes a run starts
-itself (DDP's other ranks) start cold, as they would for a user.
+the server runs no torch operation, so no thread pool exists to be broken by the fork. A run that starts
+`python <script.py>` again (Lightning's launcher for DDP's other ranks, a sweep job in a fresh process) gets a warm
+process too: a zygote forked from the server forks it, and tests/warm_rank.py stands in for it in the run (same
+argv, cwd, environment and streams; signals passed on; its exit code or signal mirrored). torchrun's workers,
+srun's tasks and anything else still start cold.
 
 Run as `python tests/warm.py`, it serves requests, one JSON line each on stdin, and answers each on stdout.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,24 +42,31 @@ PRELOAD = (
 )
 
 
-def _child(request: dict[str, Any], base_path: list[str]) -> None:
-    """In the forked process: become `python <argv[1:]>`, and end as that interpreter would: non-daemon threads
-    joined (threading's shutdown hooks first, which stop joblib's workers), atexit handlers run, streams flushed.
-    Then it leaves without tearing down every module torch and Lightning loaded, which takes a cold config error's
-    run a second longer than the whole run; nothing of this project or its stack needs that teardown."""
+def _child(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
+    """In a process forked by the server: a run's stdout and stderr go to the files the client reads."""
+    with open(os.devnull, "rb") as null:
+        os.dup2(null.fileno(), 0)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    _become(request, base_path, zygote)
+
+
+def _become(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
+    """Become `python <argv[1:]>` (stdin, stdout and stderr already in place), and end as that interpreter would:
+    non-daemon threads joined (threading's shutdown hooks first, which stop joblib's workers), atexit handlers
+    run, streams flushed. Then it leaves without tearing down every module torch and Lightning loaded, which takes
+    a cold config error's run a second longer than the whole run; nothing of this project or its stack needs that
+    teardown."""
     code: int = 1
     try:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        with open(os.devnull, "rb") as null:
-            os.dup2(null.fileno(), 0)
-        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
         os.setpgrp()  # its own process group, as a shell would give it: a signal to the group reaches its ranks
+        _start_ranks_warm(zygote)
         argv = request["argv"][1:]
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         import runpy
@@ -89,6 +101,79 @@ def _child(request: dict[str, Any], base_path: list[str]) -> None:
         os._exit(code)
 
 
+def _start_ranks_warm(zygote: str) -> None:
+    """`python <script.py> ...` started by the run (Lightning's launcher for DDP's other ranks, a sweep's job in a
+    fresh process) runs through tests/warm_rank.py, forked from the zygote: warm too, the same argv, cwd, env and
+    streams. Everything else the run starts (torchrun's workers, joblib's, srun's tasks) starts as it would."""
+    real = subprocess.Popen
+    stand_in = str(Path(__file__).with_name("warm_rank.py"))
+
+    class Popen(real):  # type: ignore[valid-type,misc]
+        def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+            if (
+                isinstance(args, (list, tuple))
+                and len(args) > 1
+                and args[0] == sys.executable
+                and str(args[1]).endswith(".py")
+                and not kwargs.get("pass_fds")
+            ):
+                args = [sys.executable, "-I", "-S", stand_in, zygote, *args[1:]]
+            super().__init__(args, *rest, **kwargs)
+
+    subprocess.Popen = Popen  # type: ignore[misc]
+
+
+def _zygote(listener: socket.socket, base_path: list[str], zygote: str) -> None:
+    """Forked from the server once the imports are paid: forks a process for each stand-in that connects, tells it
+    the pid and, when that process ends, how. A stand-in that goes away (killed outright) takes its process along."""
+    import ctypes
+    import selectors
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the server, however it goes
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    clients: dict[int, socket.socket] = {}  # pid -> its stand-in's connection
+    while True:
+        for key, _ in selector.select(timeout=0.05):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                pid = os.fork()
+                if pid == 0:
+                    for other in (listener, *clients.values(), conn):
+                        other.close()
+                    selector.close()
+                    for target, fd in zip((0, 1, 2), fds, strict=True):
+                        os.dup2(fd, target)
+                        os.close(fd)
+                    _become(json.loads(message), base_path, zygote)
+                for fd in fds:
+                    os.close(fd)
+                conn.send(json.dumps({"pid": pid}).encode())
+                clients[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif not key.fileobj.recv(1):  # type: ignore[union-attr]  # the stand-in is gone
+                pid = key.data
+                selector.unregister(key.fileobj)
+                clients.pop(pid).close()
+                for kill in (os.kill, os.killpg):  # the process, and what it started in its group
+                    with contextlib.suppress(ProcessLookupError):
+                        kill(pid, signal.SIGKILL)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in clients:
+                conn = clients.pop(pid)
+                selector.unregister(conn)
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+                conn.close()
+
+
 def serve() -> None:
     import importlib
 
@@ -96,6 +181,13 @@ def serve() -> None:
         importlib.import_module(name)
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path if p and p not in pythonpath and p != os.path.dirname(os.path.abspath(__file__))]
+    zygote = f"warm-{os.getpid()}"  # the name of an abstract socket: no file to leave behind
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + zygote)
+    listener.listen(64)
+    if os.fork() == 0:
+        _zygote(listener, base_path, zygote)
+    listener.close()
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies on the channel
     print(json.dumps({"ready": True}), file=reply, flush=True)
@@ -103,7 +195,7 @@ def serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(request, base_path)
+            _child(request, base_path, zygote)
         print(json.dumps({"pid": pid}), file=reply, flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)

@@ -1,0 +1,84 @@
+"""tests/warm.py: a process a warm run starts of itself (`python <script.py>`, as DDP's launcher does) is forked from
+the zygote, and the run that started it sees what it would see of a cold `python`: the argv, working directory,
+environment and streams it gave, the exit code or the signal it died of, and signals passed on. A stand-in killed
+outright takes its process along: no rank is left running."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from conftest import WARM
+
+LAUNCHER = """
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "child.py", "a b", "--x=1"], cwd="sub", env={**os.environ, "CHILD_VAR": "1"})
+print("stand-in", child.args[:4], file=sys.stderr)
+mode = sys.argv[1]
+if mode == "signal":
+    while not os.path.exists("sub/pid"):
+        time.sleep(0.01)
+    child.send_signal(signal.SIGUSR1)  # the child exits 7 on SIGUSR1
+elif mode == "kill":
+    while not os.path.exists("sub/pid"):
+        time.sleep(0.01)
+    child.kill()  # SIGKILL to the stand-in: nothing can pass it on
+print(child.wait(), flush=True)
+"""
+
+CHILD = """
+import os, signal, sys, time
+import torch  # already imported in the zygote: no 2 s import
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(7))
+print(sys.argv[1:], os.getcwd().endswith("sub"), os.environ["CHILD_VAR"], "torch" in sys.modules)
+open("pid.tmp", "w").write(str(os.getpid()))
+os.replace("pid.tmp", "pid")
+if os.environ.get("CHILD_MODE") == "exit":
+    sys.exit(3)
+if os.environ.get("CHILD_MODE") == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def _run(tmp_path: Path, mode: str, child_mode: str = "") -> tuple[int, list[str], str]:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "sub" / "child.py").write_text(CHILD)
+    env = {**os.environ, "CHILD_MODE": child_mode}
+    proc = WARM.run([sys.executable, "launcher.py", mode], tmp_path, env, timeout=60)
+    return proc.returncode, proc.stdout.splitlines(), proc.stderr
+
+
+def _gone(pid: int, within: float = 5) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_child_gets_argv_cwd_env_and_streams_and_its_exit_code_comes_back(tmp_path):
+    code, out, err = _run(tmp_path, "wait", child_mode="exit")
+    assert code == 0 and out == ["['a b', '--x=1'] True 1 True", "3"]
+    assert "warm_rank.py" in err  # it did go through the stand-in
+
+
+def test_a_child_killed_by_a_signal_is_seen_killed_by_that_signal(tmp_path):
+    code, out, _ = _run(tmp_path, "wait", child_mode="die")
+    assert code == 0 and out[-1] == str(-signal.SIGKILL)
+
+
+def test_a_signal_to_the_stand_in_reaches_the_child(tmp_path):
+    code, out, _ = _run(tmp_path, "signal")
+    assert code == 0 and out[-1] == "7"
+
+
+def test_a_stand_in_killed_outright_takes_its_child_along(tmp_path):
+    code, out, _ = _run(tmp_path, "kill")
+    assert code == 0 and out[-1] == str(-signal.SIGKILL)
+    assert _gone(int((tmp_path / "sub" / "pid").read_text()))
