@@ -32,8 +32,9 @@ def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI run in a test: tests/ importable (for probes.* targets), nothing else changed."""
+    inherited = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # set by an in-process wandb run
     return {
-        **os.environ,
+        **inherited,
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         **extra,
     }

@@ -58,8 +58,20 @@ def sweep(work) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(work, sweep) -> Path:
-    train(work, *USER_NET, EVERY)
+def wandb_service():
+    """One W&B service for the runs of this file, as `export WANDB_SERVICE="$(wandb beta core start)"` shares one
+    between processes: a run must end its W&B run itself (a service a process starts ends it at exit)."""
+    wandb = str(Path(sys.executable).with_name("wandb"))
+    start = [wandb, "beta", "core", "start"]
+    address = subprocess.run(start, env=cli_env(), capture_output=True, text=True, check=True).stdout
+    env = {"WANDB_SERVICE": address.strip()}
+    yield env
+    subprocess.run([wandb, "beta", "core", "stop"], env={**os.environ, **env}, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def trained(work, sweep, wandb_service) -> Path:
+    train(work, *USER_NET, EVERY, env=wandb_service)
     (run,) = run_dirs(work / "logs")
     return run
 
@@ -101,11 +113,11 @@ def server(work, sweep):
 
 
 @pytest.fixture(scope="module")
-def resumed(work, trained, server) -> Path:
+def resumed(work, trained, server, wandb_service) -> Path:
     """`trained` for one more epoch (its schedule stretched to 3), with every tracker."""
     last = trained / "checkpoints" / "last.ckpt"
     train(work, *USER_NET, EVERY, f"ckpt_path={last}", "trainer.max_epochs=3", "stretch_schedule=true",
-          "trusted_packages=[user_models]")  # fmt: skip
+          "trusted_packages=[user_models]", env=wandb_service)  # fmt: skip
     (run,) = [run for run in run_dirs(work / "logs") if run != trained]
     return run
 

@@ -2,9 +2,13 @@
 
 Lightning's WandbLogger, with a resumed run continuing its W&B run (the same id, kept in the run dir:
 project.loggers.tracking) and each sweep job a run of its own: Lightning would log a second job that runs in the
-same process (Hydra's basic launcher, a reused joblib worker) into the first job's still open run.
+same process (Hydra's basic launcher, a reused joblib worker) into the first job's still open run. The run is
+ended when the process ends: W&B ends open runs at exit only from a service the process started itself, and a
+service shared between processes (`WANDB_SERVICE`, from `wandb beta core start` or a parent process that used W&B)
+would keep it open, so that resuming it failed with "run ID ... is in use".
 """
 
+import atexit
 import logging
 from pathlib import Path
 from typing import Any
@@ -70,10 +74,20 @@ class WandbLogger(LightningWandbLogger):
             except Exception as e:
                 raise UserError(f"logger.wandb: {tracking.one_line(e)}") from e
             assert self._experiment is not None
+            atexit.register(self._finish, self._experiment)
             offline_run = str(Path(self._experiment.dir).parent)  # <save_dir>/wandb/offline-run-<time>-<id>
             ids = {"id": self._experiment.id, "project": self._project, "dir": offline_run}
             tracking.remember(self._run_dir, NAME, ids)
         return self._experiment
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._failed = status != "success"
+        super().finalize(status)
+
+    def _finish(self, run: Any) -> None:
+        """At exit (before W&B's own hooks, registered earlier): the run ends as the last fit or test ended."""
+        run.finish(exit_code=1 if getattr(self, "_failed", False) else 0)
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
