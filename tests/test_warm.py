@@ -1,7 +1,7 @@
-"""tests/warm.py: a process a warm run starts of itself (`python <script.py>`, as DDP's launcher does) is forked from
-the zygote, and the run that started it sees what it would see of a cold `python`: the argv, working directory,
-environment and streams it gave, the exit code or the signal it died of, and signals passed on. A stand-in killed
-outright takes its process along: no rank is left running."""
+"""tests/warm.py: a process a warm run starts of itself (`python <script.py>` as DDP's launcher does, joblib's
+workers) is forked from the zygote, and the run that started it sees what it would see of a cold `python`: the argv,
+working directory, environment and descriptors it gave, the exit code or the signal it died of, and signals passed
+on. A stand-in killed outright takes its process along: no rank is left running."""
 
 import os
 import signal
@@ -82,3 +82,24 @@ def test_a_stand_in_killed_outright_takes_its_child_along(tmp_path):
     code, out, _ = _run(tmp_path, "kill")
     assert code == 0 and out[-1] == str(-signal.SIGKILL)
     assert _gone(int((tmp_path / "sub" / "pid").read_text()))
+
+
+JOBLIB = """
+import os, sys
+from joblib import Parallel, delayed
+
+def worker(i):
+    return i, os.getpid(), "torch" in sys.modules  # this script imports no torch: only a warm worker has it
+
+print(sorted(Parallel(n_jobs=2, backend="loky")(delayed(worker)(i) for i in range(4))))
+"""
+
+
+def test_joblibs_workers_are_forked_warm_and_run_the_jobs(tmp_path):
+    (tmp_path / "jobs.py").write_text(JOBLIB)
+    proc = WARM.run([sys.executable, "jobs.py"], tmp_path, dict(os.environ), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    results = eval(proc.stdout.strip().splitlines()[-1])
+    assert [i for i, _, _ in results] == [0, 1, 2, 3]
+    assert all(warm for _, _, warm in results)
+    assert len({pid for _, pid, _ in results} - {os.getpid()}) in (1, 2)  # joblib's worker processes

@@ -7,10 +7,10 @@ hundreds of them. The server imports only third-party packages, never this proje
 project from wherever its own PYTHONPATH says (the README tests run a fresh copy of the repository). Each run is its
 own forked process: nothing of one run (signals, seeds, Hydra's global state, environment) reaches the next, and
 the server runs no torch operation, so no thread pool exists to be broken by the fork. A run that starts
-`python <script.py>` again (Lightning's launcher for DDP's other ranks, a sweep job in a fresh process) gets a warm
-process too: a zygote forked from the server forks it, and tests/warm_rank.py stands in for it in the run (same
-argv, cwd, environment and streams; signals passed on; its exit code or signal mirrored). torchrun's workers,
-srun's tasks and anything else still start cold.
+`python <script.py>` again (Lightning's launcher for DDP's other ranks, a sweep job in a fresh process), and a
+parallel sweep's joblib workers, get a warm process too: a zygote forked from the server forks it, and
+tests/warm_rank.py stands in for it in the run (same argv, cwd, environment and open file descriptors; signals
+passed on; its exit code or signal mirrored). torchrun's workers, srun's tasks and anything else start cold.
 
 Run as `python tests/warm.py`, it serves requests, one JSON line each on stdin, and answers each on stdout.
 """
@@ -39,6 +39,7 @@ PRELOAD = (
     "numpy",
     "PIL.Image",
     "tensorboard",
+    "joblib.externals.loky",
 )
 
 
@@ -103,8 +104,9 @@ def _become(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
 
 def _start_ranks_warm(zygote: str) -> None:
     """`python <script.py> ...` started by the run (Lightning's launcher for DDP's other ranks, a sweep's job in a
-    fresh process) runs through tests/warm_rank.py, forked from the zygote: warm too, the same argv, cwd, env and
-    streams. Everything else the run starts (torchrun's workers, joblib's, srun's tasks) starts as it would."""
+    fresh process), and joblib's workers (`python -m ...` with pipes kept open), run through tests/warm_rank.py,
+    forked from the zygote: warm too, the same argv, cwd, env and descriptors. Everything else the run starts
+    (torchrun's workers, srun's tasks) starts as it would."""
     real = subprocess.Popen
     stand_in = str(Path(__file__).with_name("warm_rank.py"))
 
@@ -122,6 +124,31 @@ def _start_ranks_warm(zygote: str) -> None:
 
     subprocess.Popen = Popen  # type: ignore[misc]
 
+    from joblib.externals.loky.backend import fork_exec as loky
+
+    real_fork_exec = loky.fork_exec
+
+    def fork_exec(cmd: list[str], keep_fds: Any, env: Any = None) -> int:
+        """joblib's workers: `python -m joblib.externals.loky.backend.popen_loky_posix --pipe <fd> ...`."""
+        if len(cmd) > 2 and cmd[0] == sys.executable and cmd[1] == "-m":
+            cmd = [sys.executable, "-I", "-S", stand_in, zygote, *cmd[1:]]
+        return real_fork_exec(cmd, keep_fds, env)
+
+    loky.fork_exec = fork_exec
+
+
+def _put_fds(received: list[int], numbers: list[int]) -> None:
+    """Each received descriptor at the number it had in the stand-in (moved out of the way first: a received one
+    may sit at another's number)."""
+    import fcntl
+
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in received]
+    for fd in received:
+        os.close(fd)
+    for fd, number in zip(high, numbers, strict=True):
+        os.dup2(fd, number)
+        os.close(fd)
+
 
 def _zygote(listener: socket.socket, base_path: list[str], zygote: str) -> None:
     """Forked from the server once the imports are paid: forks a process for each stand-in that connects, tells it
@@ -137,16 +164,15 @@ def _zygote(listener: socket.socket, base_path: list[str], zygote: str) -> None:
         for key, _ in selector.select(timeout=0.05):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 250)
+                request = json.loads(message)
                 pid = os.fork()
                 if pid == 0:
                     for other in (listener, *clients.values(), conn):
                         other.close()
                     selector.close()
-                    for target, fd in zip((0, 1, 2), fds, strict=True):
-                        os.dup2(fd, target)
-                        os.close(fd)
-                    _become(json.loads(message), base_path, zygote)
+                    _put_fds(fds, request["fds"])
+                    _become(request, base_path, zygote)
                 for fd in fds:
                     os.close(fd)
                 conn.send(json.dumps({"pid": pid}).encode())
