@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TESTS, cli_env, run_dirs
+from conftest import REPO, TESTS, WARM, cli_env, run_dirs
 from hydra import compose, initialize_config_dir
 from slurm_cluster import Cluster
 
@@ -141,9 +141,11 @@ LAUNCHER_VARS = ("SLURM_", "SBATCH_", "SRUN_", "SUBMITIT_", "TORCHELASTIC")
 
 def job_env(**extra: str) -> dict[str, str]:
     """What a user's shell exports to sbatch: the venv's python first on PATH, tests/ importable (probes), the
-    test profile; no variables of a SLURM job or launcher the tests themselves may run in."""
+    test profile; no variables of a SLURM job or launcher the tests themselves may run in. The `python` the job's
+    srun tasks start is the venv's, forked warm (tests/warm.py): SLURM starts, signals and requeues the tasks as
+    ever, they skip the imports."""
     env = cli_env(PROJECT_PROFILE="tiny", **extra)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["PATH"] = os.pathsep.join([str(WARM.python_on_path()), str(Path(sys.executable).parent), env["PATH"]])
     return {k: v for k, v in env.items() if not k.startswith(LAUNCHER_VARS) or k == "SLURM_CONF"}
 
 

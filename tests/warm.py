@@ -69,6 +69,9 @@ def _become(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
         os.setpgrp()  # its own process group, as a shell would give it: a signal to the group reaches its ranks
         _start_ranks_warm(zygote)
         argv = request["argv"][1:]
+        if argv[0] == "-u":  # unbuffered, as submitit starts its jobs
+            argv = argv[1:]
+            sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         import runpy
 
@@ -270,6 +273,20 @@ class Warm:
         if expired.is_set():
             raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
         return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+    def python_on_path(self) -> Path:
+        """A folder for the front of PATH whose `python` runs warm (through tests/warm_rank.py and this server's
+        zygote): for processes started outside a warm run that call `python` by name, as a SLURM job's srun
+        tasks do."""
+        server = self._start()
+        folder = self.files / f"bin-{server.pid}"
+        if not folder.is_dir():
+            folder.mkdir()
+            stand_in = Path(__file__).with_name("warm_rank.py")
+            shim = folder / "python"
+            shim.write_text(f'#!/bin/sh\nexec "{self.python}" -I -S "{stand_in}" warm-{server.pid} "$@"\n')
+            shim.chmod(0o755)
+        return folder
 
     def close(self) -> None:
         if self.server is not None and self.server.poll() is None:
