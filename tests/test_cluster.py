@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TESTS, run_dirs
+from conftest import REPO, TESTS, run_dirs, run_python
 
 from project.errors import UserError
 from project.launch import environment as cluster
@@ -103,6 +103,14 @@ def start(cmd: list[str], env: dict, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def warm(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """`cmd` as `start` runs it, to its end, in the warm interpreter (tests/warm.py): torchrun's workers are forked
+    warm too."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    full.update(PYTHONPATH=str(TESTS), **env)
+    return run_python(cmd, cwd, full, timeout=300)
+
+
 def finish(procs: list[subprocess.Popen]) -> list[str]:
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):
@@ -137,7 +145,8 @@ def test_torchrun_starts_the_ranks_and_lightning_launches_none(tmp_path):
         "trainer.devices=2",
         *RUN,
     ]
-    finish([start(cmd, {"PROBE_DIR": str(probe)}, tmp_path)])
+    proc = warm(cmd, {"PROBE_DIR": str(probe)}, tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     seen = assert_two_ranks_split_the_data(probe)
     assert {r["environment"] for r in seen} == {"TorchElasticEnvironment"}
     (run,) = run_dirs(logs)
@@ -156,8 +165,8 @@ def test_torchrun_with_the_wrong_device_count_stops_with_the_fix(tmp_path):
         "trainer.devices=1",
         *RUN,
     ]
-    proc = start(cmd, {"PROBE_DIR": str(tmp_path)}, tmp_path)
-    out = proc.communicate(timeout=300)[0]
+    proc = warm(cmd, {"PROBE_DIR": str(tmp_path)}, tmp_path)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "error: torchrun started 2 processes, but trainer.devices=1 x trainer.num_nodes=1 = 1" in out
 

@@ -10,7 +10,8 @@ the server runs no torch operation, so no thread pool exists to be broken by the
 `python <script.py>` again (Lightning's launcher for DDP's other ranks, a sweep job in a fresh process), and a
 parallel sweep's joblib workers, get a warm process too: a zygote forked from the server forks it, and
 tests/warm_rank.py stands in for it in the run (same argv, cwd, environment and open file descriptors; signals
-passed on; its exit code or signal mirrored). torchrun's workers, srun's tasks and anything else start cold.
+passed on; its exit code or signal mirrored); so do torchrun's workers when torchrun runs warm, and a SLURM job's
+srun tasks through `Warm.python_on_path`.
 
 Run as `python tests/warm.py`, it serves requests, one JSON line each on stdin, and answers each on stdout.
 """
@@ -106,10 +107,10 @@ def _become(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
 
 
 def _start_ranks_warm(zygote: str) -> None:
-    """`python <script.py> ...` started by the run (Lightning's launcher for DDP's other ranks, a sweep's job in a
-    fresh process), and joblib's workers (`python -m ...` with pipes kept open), run through tests/warm_rank.py,
+    """`python [-u] <script.py> ...` started by the run (Lightning's launcher for DDP's other ranks, torchrun's
+    workers, a sweep's job in a fresh process), and joblib's workers (`python -m ...` with pipes kept open), run through tests/warm_rank.py,
     forked from the zygote: warm too, the same argv, cwd, env and descriptors. Everything else the run starts
-    (torchrun's workers, srun's tasks) starts as it would."""
+    starts as it would."""
     real = subprocess.Popen
     stand_in = str(Path(__file__).with_name("warm_rank.py"))
 
@@ -119,7 +120,7 @@ def _start_ranks_warm(zygote: str) -> None:
                 isinstance(args, (list, tuple))
                 and len(args) > 1
                 and args[0] == sys.executable
-                and str(args[1]).endswith(".py")
+                and str(args[2 if args[1] == "-u" and len(args) > 2 else 1]).endswith(".py")  # torchrun adds -u
                 and not kwargs.get("pass_fds")
             ):
                 args = [sys.executable, "-I", "-S", stand_in, zygote, *args[1:]]
