@@ -108,9 +108,9 @@ def _become(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
 
 def _start_ranks_warm(zygote: str) -> None:
     """`python [-u] <script.py> ...` started by the run (Lightning's launcher for DDP's other ranks, torchrun's
-    workers, a sweep's job in a fresh process), and joblib's workers (`python -m ...` with pipes kept open), run through tests/warm_rank.py,
-    forked from the zygote: warm too, the same argv, cwd, env and descriptors. Everything else the run starts
-    starts as it would."""
+    workers, a sweep's job in a fresh process), and joblib's workers (`python -m ...` with pipes kept open), run
+    through tests/warm_rank.py, forked from the zygote: warm too, the same argv, cwd, env and descriptors.
+    Everything else the run starts starts as it would."""
     real = subprocess.Popen
     stand_in = str(Path(__file__).with_name("warm_rank.py"))
 
