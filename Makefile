@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install lock upgrade test test-fast lint bench bench-peer bench-pipeline train tensorboard tensorboard-shots devices clean
+.PHONY: install lock upgrade test test-fast lint bench bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
 
 install: $(BIN)/python  ## create .venv with exactly the versions in requirements.lock (hash-checked), then the project
 	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' requirements.lock)"
@@ -45,6 +45,9 @@ bench-peer:  ## make the lightning-hydra-template's venv (pip: rootutils, hydra-
 	$(BIN)/python benchmarks/peer.py --setup
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/whole_run.py
+
+bench-tests:  ## what `make test` costs (wall, CPU, ten slowest): benchmarks/results/test_suite.json; run it on a quiet machine
+	$(BIN)/python benchmarks/test_suite.py
 
 bench-pipeline:  ## one device vs plain split vs pipelined split: benchmarks/results/pipeline.{json,png}
 	$(BIN)/python benchmarks/pipeline.py
