@@ -17,7 +17,7 @@ from typing import Any
 from timing import REPO, RESULTS, machine
 
 SLOWEST = re.compile(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)$", re.M)
-OUTCOME = re.compile(r"=+ (.*) in [\d.]+s")
+OUTCOME = re.compile(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", re.M)
 
 
 def commit() -> str:
