@@ -50,7 +50,7 @@ def test_torch_internals_used_by_dp_and_the_tensorboard_logger():
 
     replica = torch.nn.Linear(1, 1)._replicate_for_data_parallel()  # strategies/dp.py: simulated replicas
     assert replica._parameters == {} and set(replica._buffers) == set() and replica._modules == {}
-    assert callable(SummaryWriter._get_file_writer)
+    assert callable(SummaryWriter._get_file_writer)  # loggers/tensorboard.py, callbacks/tensorboard.py
     assert "master_listen_fd" in torch.distributed.TCPStore.__init__.__doc__  # strategies/rendezvous.py
 
 

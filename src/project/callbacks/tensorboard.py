@@ -133,9 +133,11 @@ class TensorBoardInsights(L.Callback):
 
         def draw() -> None:  # in a thread of its own: training goes on meanwhile
             if grid is not None:
-                writer.add_image("val/samples", figures.sample_grid(*grid), step, dataformats="HWC")
+                summary = figures.image_summary("val/samples", figures.sample_grid(*grid))
+                writer._get_file_writer().add_summary(summary, step)
             if counts is not None:
-                writer.add_image("val/confusion_matrix", figures.confusion_image(counts), step, dataformats="HWC")
+                summary = figures.image_summary("val/confusion_matrix", figures.confusion_image(counts))
+                writer._get_file_writer().add_summary(summary, step)
 
         if self._painter is None:
             self._painter = ThreadPoolExecutor(1, thread_name_prefix="tensorboard-figures")

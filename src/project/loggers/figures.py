@@ -19,6 +19,21 @@ def _font(size: int) -> Any:
     return ImageFont.load_default(size=size)
 
 
+def image_summary(tag: str, image: np.ndarray) -> Any:
+    """A TensorBoard image summary of an (H, W, 3) uint8 array, PNG-compressed once at the fast level.
+    SummaryWriter.add_image converts the array to float and back, resizes it (also at scale 1) and compresses at
+    level 6: 15 ms for the sample grid against 3 ms here, for a file 4% larger."""
+    import io
+
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG", compress_level=1)
+    height, width, channels = image.shape
+    png = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue())
+    return Summary(value=[Summary.Value(tag=tag, image=png)])
+
+
 def sample_grid(tiles: np.ndarray, preds: list[int], targets: list[int], columns: int = 8, scale: int = 2) -> Any:
     """(H, W, 3) uint8: grey `tiles` (n, h, w) in a grid, each under its `predicted/true` label, the
     misclassified ones first and labelled in red."""
