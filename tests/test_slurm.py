@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TESTS, WARM, cli_env, run_dirs
+from conftest import REPO, TESTS, WARM, cli_env, run_dirs, run_python
 from hydra import compose, initialize_config_dir
 from slurm_cluster import Cluster
 
@@ -99,7 +99,7 @@ def test_submitit_job_lightning_stays_out_and_the_resubmitted_job_resumes(tmp_pa
             "~callbacks.early_stopping",
             "+callbacks.preempt._target_=probes.PreemptionProbe",
         ]
-        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return run_python(cmd, tmp_path, env, timeout=300)
 
     first = job({})
     # no Lightning requeue: SIGUSR1 saves at the next step and exits 138
