@@ -1,5 +1,6 @@
 """`make bench-tests`: what `make test` costs. Runs the suite as `make test` does (three files at a time) with
-pytest's durations, and writes the wall time, the CPU time of every process it started, the outcome and the ten
+pytest's durations, and writes the wall time, the CPU time of the processes it started and waited for (the
+test's warm interpreters and what they forked included; SLURM's job steps not), the outcome and the ten
 slowest test phases to benchmarks/results/test_suite.json. The figures of earlier trees (issue 21's cuts) are kept
 under `history` in that file; this script appends the new measurement there too.
 Run it on a quiet machine: the suite is CPU-bound on 2 cores, anything beside it shows in the wall time."""

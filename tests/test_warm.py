@@ -103,3 +103,18 @@ def test_joblibs_workers_are_forked_warm_and_run_the_jobs(tmp_path):
     assert [i for i, _, _ in results] == [0, 1, 2, 3]
     assert all(warm for _, _, warm in results)
     assert len({pid for _, pid, _ in results} - {os.getpid()}) in (1, 2)  # joblib's worker processes
+
+
+def test_a_stand_in_gone_before_its_request_leaves_the_zygote_serving(tmp_path):
+    """A stand-in killed between connecting and sending (a timeout's killpg, SLURM's KillWait) cost the zygote its
+    loop: every later rank of the test worker failed to start."""
+    import socket
+
+    WARM.run([sys.executable, "-c", "pass"], tmp_path, dict(os.environ), timeout=60)  # the server is up
+    assert WARM.server is not None
+    for _ in range(3):
+        gone = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        gone.connect(f"\0warm-{WARM.server.pid}")
+        gone.close()
+    code, out, _ = _run(tmp_path, "wait", child_mode="exit")
+    assert code == 0 and out[-1] == "3"

@@ -19,6 +19,7 @@ Run as `python tests/warm.py`, it serves requests, one JSON line each on stdin, 
 import contextlib
 import json
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -146,7 +147,8 @@ def _put_fds(received: list[int], numbers: list[int]) -> None:
     may sit at another's number)."""
     import fcntl
 
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in received]
+    above = max([*received, *numbers]) + 1  # not a fixed number: it must stay below the open-file limit
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in received]
     for fd in received:
         os.close(fd)
     for fd, number in zip(high, numbers, strict=True):
@@ -154,11 +156,52 @@ def _put_fds(received: list[int], numbers: list[int]) -> None:
         os.close(fd)
 
 
+def _start(
+    listener: socket.socket, selector: Any, clients: dict[int, socket.socket], base: list[str], name: str
+) -> None:
+    """Fork the process a stand-in asks for and tell it the pid. A stand-in killed on the way (before it sent its
+    request, or before it read the pid) costs only its own process, never the zygote."""
+    conn, _ = listener.accept()
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 250)
+        request = json.loads(message)
+    except (OSError, ValueError):
+        conn.close()
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for other in (listener, *clients.values(), conn):
+                other.close()
+            selector.close()
+            _put_fds(fds, request["fds"])
+            _become(request, base, name)
+        finally:
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    clients[pid] = conn
+    selector.register(conn, selectors.EVENT_READ, pid)
+    try:
+        conn.send(json.dumps({"pid": pid}).encode())
+    except OSError:
+        _drop(pid, selector, clients)
+
+
+def _drop(pid: int, selector: Any, clients: dict[int, socket.socket]) -> None:
+    conn = clients.pop(pid, None)
+    if conn is not None:
+        selector.unregister(conn)
+        conn.close()
+    for kill in (os.kill, os.killpg):  # the process, and what it started in its group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
 def _zygote(listener: socket.socket, base_path: list[str], zygote: str) -> None:
     """Forked from the server once the imports are paid: forks a process for each stand-in that connects, tells it
     the pid and, when that process ends, how. A stand-in that goes away (killed outright) takes its process along."""
     import ctypes
-    import selectors
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the server, however it goes
     selector = selectors.DefaultSelector()
@@ -167,28 +210,14 @@ def _zygote(listener: socket.socket, base_path: list[str], zygote: str) -> None:
     while True:
         for key, _ in selector.select(timeout=0.05):
             if key.fileobj is listener:
-                conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 250)
-                request = json.loads(message)
-                pid = os.fork()
-                if pid == 0:
-                    for other in (listener, *clients.values(), conn):
-                        other.close()
-                    selector.close()
-                    _put_fds(fds, request["fds"])
-                    _become(request, base_path, zygote)
-                for fd in fds:
-                    os.close(fd)
-                conn.send(json.dumps({"pid": pid}).encode())
-                clients[pid] = conn
-                selector.register(conn, selectors.EVENT_READ, pid)
-            elif not key.fileobj.recv(1):  # type: ignore[union-attr]  # the stand-in is gone
-                pid = key.data
-                selector.unregister(key.fileobj)
-                clients.pop(pid).close()
-                for kill in (os.kill, os.killpg):  # the process, and what it started in its group
-                    with contextlib.suppress(ProcessLookupError):
-                        kill(pid, signal.SIGKILL)
+                _start(listener, selector, clients, base_path, zygote)
+                continue
+            try:
+                gone = not key.fileobj.recv(1)  # type: ignore[union-attr]
+            except OSError:  # reset by a stand-in killed outright
+                gone = True
+            if gone:  # the stand-in is gone: its process goes too
+                _drop(key.data, selector, clients)
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -215,7 +244,8 @@ def serve() -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind("\0" + zygote)
     listener.listen(64)
-    if os.fork() == 0:
+    zygote_pid = os.fork()
+    if zygote_pid == 0:
         _zygote(listener, base_path, zygote)
     listener.close()
     reply = sys.stdout
@@ -229,6 +259,8 @@ def serve() -> None:
         print(json.dumps({"pid": pid}), file=reply, flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)
+    os.kill(zygote_pid, signal.SIGKILL)
+    os.waitpid(zygote_pid, 0)  # reaped: the CPU time of what it forked counts as this process's children's
 
 
 class Warm:

@@ -38,7 +38,10 @@ def main() -> None:
 
     def forward(signum: int, _frame: object) -> None:
         if target:
-            os.kill(target[0], signum)
+            try:
+                os.kill(target[0], signum)
+            except ProcessLookupError:  # it has ended: its exit is on the way
+                pass
         else:
             pending.append(signum)
 
@@ -53,7 +56,7 @@ def main() -> None:
         os.close(fd)
     target.append(json.loads(conn.recv(4096))["pid"])
     for signum in pending:
-        os.kill(target[0], signum)
+        forward(signum, None)
     reply = conn.recv(4096)
     if not reply:
         print("warm_rank: the warm interpreter's zygote went away", file=sys.stderr)
