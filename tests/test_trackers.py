@@ -308,3 +308,25 @@ def test_a_tracker_run_that_cannot_go_on_ends_the_run_at_once_in_one_line(work, 
     )
     for cwd in ("resume", "server"):
         assert run_dirs(tmp_path / cwd / "logs") == []  # nothing left behind
+
+
+def test_sweep_jobs_in_one_process_each_end_their_wandb_run_as_they_ended(tmp_path, monkeypatch):
+    """Hydra's basic launcher runs the jobs of a sweep in one process: the next job's W&B run ends the previous
+    one, with the previous one's own outcome (a failed job was recorded as a success)."""
+    from project.loggers.wandb import WandbLogger
+
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    runs = []
+    for job, status in enumerate(["failed", "success"]):
+        run_dir = tmp_path / str(job)
+        run_dir.mkdir()
+        logger = WandbLogger(save_dir=str(run_dir), project="train", run_dir=str(run_dir))
+        logger.experiment.log({"x": job})
+        logger.finalize(status)
+        runs.append(logger.experiment)
+    runs[-1].finish()  # what the exit hook does at the end of the process
+    codes = []
+    for run in runs:
+        (offline,) = Path(run.dir).parent.parent.glob(f"offline-run-*-{run.id}")
+        codes += [r.exit.exit_code for r in wandb_records(offline / f"run-{run.id}.wandb") if r.HasField("exit")]
+    assert codes == [1, 0]

@@ -23,6 +23,7 @@ from project.loggers import tracking
 log = logging.getLogger(__name__)
 
 NAME = "wandb"
+_OPEN: list["WandbLogger"] = []  # the logger whose W&B run this process has open (W&B keeps one at a time)
 
 
 class WandbLogger(LightningWandbLogger):
@@ -44,6 +45,7 @@ class WandbLogger(LightningWandbLogger):
     ) -> None:
         tracking.require("wandb", NAME)
         self._run_dir = run_dir
+        self._failed = False  # how the last fit or test ended: the run ends so
         continued = tracking.continued(NAME, run_dir, resume_from, resume) if id is None else None
         if continued is not None:
             id = str(continued["id"])
@@ -67,14 +69,17 @@ class WandbLogger(LightningWandbLogger):
         if self._experiment is None:
             import wandb
 
-            if wandb.run is not None:  # an earlier sweep job's, in this same process: it has ended
+            for earlier in _OPEN:  # an earlier sweep job's, in this same process: it has ended, as it ended
+                earlier._finish()
+            if wandb.run is not None:  # opened by other code of the process
                 wandb.run.finish()
             try:
                 super().experiment
             except Exception as e:
                 raise UserError(f"logger.wandb: {tracking.one_line(e)}") from e
             assert self._experiment is not None
-            atexit.register(self._finish, self._experiment)
+            _OPEN[:] = [self]
+            atexit.register(self._finish)
             offline_run = str(Path(self._experiment.dir).parent)  # <save_dir>/wandb/offline-run-<time>-<id>
             ids = {"id": self._experiment.id, "project": self._project, "dir": offline_run}
             tracking.remember(self._run_dir, NAME, ids)
@@ -85,9 +90,13 @@ class WandbLogger(LightningWandbLogger):
         self._failed = status != "success"
         super().finalize(status)
 
-    def _finish(self, run: Any) -> None:
-        """At exit (before W&B's own hooks, registered earlier): the run ends as the last fit or test ended."""
-        run.finish(exit_code=1 if getattr(self, "_failed", False) else 0)
+    def _finish(self) -> None:
+        """When the next sweep job starts, or at exit (before W&B's own hooks, registered earlier): the run ends
+        as the last fit or test ended. Ending it twice does nothing."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        if self._experiment is not None:
+            self._experiment.finish(exit_code=1 if self._failed else 0)
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
