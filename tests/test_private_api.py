@@ -112,6 +112,11 @@ def test_internals_used_by_the_step_loop_callbacks():
     assert callable(ModelCheckpoint()._should_save_on_train_epoch_end)
     # strategies/fsdp.py: meta-device modules materialized after sharding
     assert callable(model_parallel._materialize_distributed_module)
+    # callbacks/dispatch.py: a hook that is not callable is skipped, and hooks are entered through profile()
+    from lightning.pytorch.trainer import call
+
+    dispatch = inspect.getsource(call._call_callback_hooks)
+    assert "if callable(fn):" in dispatch and "trainer.profiler.profile(" in dispatch
 
 
 def test_interpreter_internals_used_at_exit():

@@ -179,3 +179,29 @@ def test_an_image_summary_is_the_array_as_a_lossless_png():
     (value,) = figures.image_summary("val/samples", drawn).value
     assert (value.tag, value.image.height, value.image.width, value.image.colorspace) == ("val/samples", 40, 60, 3)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(value.image.encoded_image_string))), drawn)
+
+
+def test_a_run_killed_after_a_checkpoint_keeps_its_scalars_up_to_that_checkpoint(cli, tmp_path):
+    """Events reach the file every `flush_secs` and after every checkpoint (project.loggers.tensorboard), not
+    after every log call: a kill -9 loses at most what came after the last checkpoint, which a resume redoes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    killed = cli(
+        "train.py",
+        "model=mlp",
+        "trainer.max_epochs=3",
+        "+trainer.limit_train_batches=8",
+        "+trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=2",
+        "test=false",
+        "+callbacks.probe._target_=probes.KillAt",
+        env={"KILL_AT_STEP": "13"},  # mid epoch 1, after epoch 0's checkpoints
+        check=False,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "logs")
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload()
+    # epoch 0's validation (Lightning puts it at the epoch's last step, 7) and the steps logged before it
+    assert [e.step for e in scalars.Scalars("val/acc")] == [7]
+    assert [e.step for e in scalars.Scalars("train/loss_step")][:4] == [1, 3, 5, 7], scalars.Scalars("train/loss_step")
+    assert (run / "tensorboard" / "hparams.yaml").is_file()

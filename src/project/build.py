@@ -238,12 +238,13 @@ def trainer(
 ) -> Any:
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
+    from project.callbacks.dispatch import skip_unused_hooks
 
     _check_trainer_numbers(cfg)
 
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends(checks_every_n_steps, run_config)
-    overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks)}
+    overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks), **_profiler(cfg)}
     # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
     # start this run with it; runs under SLURM start with srun (README, SLURM), and this one was meant to run here
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
@@ -251,7 +252,17 @@ def trainer(
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
     _check_precision(cfg, built)
     _check_processes(built, launch)
+    skip_unused_hooks(built.callbacks)  # with the ones Lightning added (its progress bar, model summary)
     return built
+
+
+def _profiler(cfg: DictConfig) -> dict[str, Any]:
+    """No profiler asked for: one that costs nothing per hook call (project.callbacks.dispatch)."""
+    if cfg.get("profiler") is not None:
+        return {}
+    from project.callbacks.dispatch import QuietProfiler
+
+    return {"profiler": QuietProfiler()}
 
 
 def _callbacks_for(callbacks: list[Any], loggers: list[Any]) -> list[Any]:

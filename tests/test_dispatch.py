@@ -1,0 +1,84 @@
+"""Lightning's hook dispatch, trimmed (project.callbacks.dispatch): a callback still gets every per-batch hook its
+class overrides, on every batch; the hooks it leaves as no-ops are skipped; a profiler asked for still profiles."""
+
+import lightning.pytorch as L
+from lightning.pytorch.profilers import SimpleProfiler
+
+from project import build
+from project.callbacks.dispatch import PER_BATCH_HOOKS, QuietProfiler
+from project.tasks.training import train
+
+TRAIN_BATCHES, VAL_BATCHES = 3, 2
+
+
+class BatchCounter(L.Callback):
+    """Written as a user writes a callback: two per-batch hooks, nothing else."""
+
+    made: list["BatchCounter"] = []
+
+    def __init__(self) -> None:
+        self.train_batches, self.val_batches = 0, 0
+        BatchCounter.made.append(self)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.train_batches += 1
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self.val_batches += 1
+
+
+class InheritedCounter(BatchCounter):
+    """Its hooks come from its parent, not from itself: still called; and one it sets on itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zero_grads = 0
+        self.on_before_zero_grad = self._count_zero_grad
+
+    def _count_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        self.zero_grads += 1
+
+
+def test_a_callback_gets_every_per_batch_hook_it_overrides_and_is_skipped_for_the_rest(make_cfg):
+    BatchCounter.made.clear()
+    cfg = make_cfg(
+        "model=mlp",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=2",
+        f"+trainer.limit_train_batches={TRAIN_BATCHES}",
+        f"+trainer.limit_val_batches={VAL_BATCHES}",
+        "test=false",
+        "+callbacks.counter._target_=test_dispatch.BatchCounter",
+        "+callbacks.inherited._target_=test_dispatch.InheritedCounter",
+    )
+    train(cfg)
+    assert len(BatchCounter.made) == 2
+    assert BatchCounter.made[1].zero_grads == 2 * TRAIN_BATCHES  # a hook the instance set itself is kept
+    for counter in BatchCounter.made:
+        assert (counter.train_batches, counter.val_batches) == (2 * TRAIN_BATCHES, 2 * VAL_BATCHES)
+        assert counter.on_before_backward is None and counter.on_test_batch_end is None  # skipped by Lightning
+        assert callable(counter.on_train_batch_end) and callable(counter.on_validation_batch_end)
+    # the class itself is untouched: another instance, built elsewhere, has every hook
+    assert all(callable(getattr(BatchCounter, hook)) for hook in PER_BATCH_HOOKS)
+
+
+def test_lightnings_own_callbacks_keep_the_hooks_they_use(make_cfg):
+    cfg = make_cfg("trainer.accelerator=cpu")
+    callbacks = build.named(cfg.callbacks, "callbacks")
+    trainer = build.trainer(cfg.trainer, callbacks, build.named(cfg.logger, "logger"))
+    by_name = {type(c).__name__: c for c in trainer.callbacks}
+    assert callable(by_name["ModelCheckpoint"].on_train_batch_end)  # step-based checkpoints
+    assert callable(by_name["ProgressBar"].on_train_batch_end)  # the bar's redraws
+    assert by_name["EarlyStopping"].on_train_batch_end is None  # epochs only
+    assert isinstance(trainer.profiler, QuietProfiler)
+
+
+def test_a_profiler_asked_for_is_the_one_used_and_sees_the_callbacks(make_cfg, capsys, caplog):
+    cfg = make_cfg("trainer.accelerator=cpu", "debug=profiler", "+trainer.limit_train_batches=2", "test=false")
+    callbacks = build.named(cfg.callbacks, "callbacks")
+    trainer = build.trainer(cfg.trainer, callbacks, [])
+    assert isinstance(trainer.profiler, SimpleProfiler)
+    train(cfg)
+    report = capsys.readouterr().out + caplog.text  # Lightning prints the table at the end of fit
+    assert "[Callback]ModelCheckpoint" in report and "on_train_batch_end" in report, report[:2000]
