@@ -205,3 +205,25 @@ def test_a_run_killed_after_a_checkpoint_keeps_its_scalars_up_to_that_checkpoint
     assert [e.step for e in scalars.Scalars("val/acc")] == [7]
     assert [e.step for e in scalars.Scalars("train/loss_step")][:4] == [1, 3, 5, 7], scalars.Scalars("train/loss_step")
     assert (run / "tensorboard" / "hparams.yaml").is_file()
+
+
+def test_event_checksums_are_tensorboards_own_and_its_reader_accepts_a_runs_records(logs):
+    """The C checksum (project.loggers.tensorboard) gives TensorBoard's values; its reader checks every record of a
+    run written with it (a wrong checksum is a DataLossError there)."""
+    import os
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
+
+    from project.loggers.tensorboard import masked_crc32c
+
+    for size in (0, 1, 7, 64, 4097, 60_000):
+        data = os.urandom(size)
+        assert masked_crc32c(data) == tensorboards(data), size
+    files = list(logs.rglob("events.out.tfevents.*"))
+    assert files
+    tags = set()
+    for path in files:
+        for event in EventFileLoader(str(path)).Load():  # checks each record's two checksums
+            tags.update(value.tag for value in event.summary.value)
+    assert {"val/samples", "val/confusion_matrix", "val/acc"} <= tags, tags
