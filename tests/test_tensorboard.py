@@ -227,3 +227,18 @@ def test_event_checksums_are_tensorboards_own_and_its_reader_accepts_a_runs_reco
         for event in EventFileLoader(str(path)).Load():  # checks each record's two checksums
             tags.update(value.tag for value in event.summary.value)
     assert {"val/samples", "val/confusion_matrix", "val/acc"} <= tags, tags
+
+
+def test_a_logger_rebuilt_from_a_pickle_uses_the_fast_checksums_too(tmp_path, monkeypatch):
+    """ddp_spawn's processes get the logger as a pickle, without running __init__."""
+    import pickle
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
+    from tensorboard.summary.writer import record_writer
+
+    from project.loggers.tensorboard import TensorBoardLogger, masked_crc32c
+
+    pickled = pickle.dumps(TensorBoardLogger(str(tmp_path)))
+    monkeypatch.setattr(record_writer, "masked_crc32c", tensorboards)  # a fresh process
+    logger = pickle.loads(pickled)
+    assert record_writer.masked_crc32c is masked_crc32c and logger.save_dir == str(tmp_path)

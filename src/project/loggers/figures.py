@@ -19,10 +19,15 @@ LIGHT, DARK = np.array([247, 251, 255]), np.array([8, 48, 107])  # matplotlib's 
 SIZE = 11  # font size, pixels
 
 
+@lru_cache(maxsize=1)
+def _font() -> Any:
+    return ImageFont.load_default(size=SIZE)
+
+
 @lru_cache(maxsize=4096)
 def _glyphs(text: str) -> Any:
     """`text` as a mask (an "L" image as tall as the font), rendered once: labels repeat from epoch to epoch."""
-    font = ImageFont.load_default(size=SIZE)
+    font = _font()
     left, _, right, _ = font.getbbox(text)
     ascent, descent = font.getmetrics()
     mask = Image.new("L", (max(right - left, 1), ascent + descent))
@@ -91,5 +96,6 @@ def confusion_image(counts: np.ndarray, cell: int = 30) -> Any:
         _write(image, str(j), (left - 10, top + j * cell + cell // 2), BLACK, centre=True)
     for t, p in zip(*np.nonzero(counts)):
         ink = WHITE if shade[t, p] > 0.5 else BLACK
-        _write(image, str(int(counts[t, p])), (left + p * cell + cell // 2, top + t * cell + cell // 2), ink, centre=True)
+        centre = (left + p * cell + cell // 2, top + t * cell + cell // 2)
+        _write(image, str(int(counts[t, p])), centre, ink, centre=True)
     return np.asarray(image)

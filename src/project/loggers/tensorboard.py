@@ -70,10 +70,13 @@ def use_fast_checksums() -> None:
     """TensorBoard without TensorFlow checksums every event record with a pure-Python CRC-32C: about 7 ms for the
     60 KB sample grid, in the writer's thread but holding the GIL, so the training thread waited about 11 ms an
     epoch for the two images (benchmarks/step_loop.py). The same values in C take microseconds. Readers (TensorBoard
-    itself) still check every record with their own implementation."""
+    itself) still check every record with their own implementation. Where google-crc32c has no C build for the
+    platform, TensorBoard's own function is kept (the same values, slower)."""
+    import google_crc32c
     from tensorboard.summary.writer import record_writer
 
-    record_writer.masked_crc32c = masked_crc32c
+    if google_crc32c.implementation == "c":
+        record_writer.masked_crc32c = masked_crc32c
 
 
 class TensorBoardLogger(LightningTensorBoardLogger):
@@ -95,6 +98,10 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self.hparam_keys, self.metric_names = list(hparams), list(metrics)
         self._summary_written = False
         self._hparams_file_written = False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        use_fast_checksums()  # a spawned process (ddp_spawn) rebuilds the logger from a pickle, not __init__
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, metrics: Any = None, step: int | None = None) -> None:
@@ -125,7 +132,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         remote storage (`s3://`, buffered) gets them every `flush_secs`."""
         if not self._hparams_file_written:
             super().save()
-            self._hparams_file_written = os.path.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE))
+            self._hparams_file_written = self._fs.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE))
 
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
