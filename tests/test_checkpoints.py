@@ -203,3 +203,27 @@ def test_a_checkpoint_asking_for_compile_is_loaded_without_compiling(tmp_path):
     )
     loaded, _ = load_model(str(path))
     assert loaded.compile_net is False
+
+
+def test_python_random_state_restores_from_a_tensor_and_from_the_older_tuple():
+    """RunState keeps Python's 625 state words as one tensor (cheaper to save); checkpoints written before kept
+    them as a tuple, and resume from either."""
+    import io
+    import random
+
+    from project.callbacks.run_state import _capture, _restore
+
+    cpu = torch.device("cpu")
+    random.seed(3)
+    state = _capture(cpu)
+    expected = [random.random() for _ in range(5)]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert isinstance(saved["python"][1], torch.Tensor) and saved["python"][1].numel() == 625
+    version, words, gauss = saved["python"]
+    for layout in (saved["python"], (version, tuple(words.tolist()), gauss)):
+        random.seed(99)
+        _restore({**saved, "python": layout}, cpu)
+        assert [random.random() for _ in range(5)] == expected

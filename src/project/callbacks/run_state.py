@@ -24,9 +24,12 @@ from project.runs.checkpoints import CONFIG_KEY
 
 def _capture(device: torch.device) -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, words, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
+        # Python's 625 words as one tensor, not a tuple of ints: pickled one by one, they were a third of the
+        # objects torch.save visits in every checkpoint
+        "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
         # numpy's own state holds an ndarray, which torch.load(weights_only=True) refuses: store it as a tensor
         "numpy": {
             "kind": str(kind),
@@ -43,8 +46,9 @@ def _capture(device: torch.device) -> dict[str, Any]:
 
 def _restore(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
+    version, words, gauss = state["python"]
+    words = words.tolist() if isinstance(words, torch.Tensor) else words  # a tuple in checkpoints before 2026-11-25
+    random.setstate((version, tuple(words), gauss))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     if device.type == "cuda" and "cuda" in state:
