@@ -2,6 +2,7 @@
 class overrides, on every batch; the hooks it leaves as no-ops are skipped; a profiler asked for still profiles."""
 
 import lightning.pytorch as L
+import pytest
 from lightning.pytorch.profilers import SimpleProfiler
 
 from project import build
@@ -40,10 +41,28 @@ class InheritedCounter(BatchCounter):
         self.zero_grads += 1
 
 
-def test_a_callback_gets_every_per_batch_hook_it_overrides_and_is_skipped_for_the_rest(make_cfg):
+# our classifier, and Lightning's README autoencoder as a user copies it (a LightningModule of another task, with no
+# validation_step): the callbacks see the same hooks whatever the module
+MODELS = {
+    "ImageClassifier mlp": (["model=mlp"], VAL_BATCHES),
+    "user's LitAutoEncoder": (
+        [
+            "model=autoencoder",
+            *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
+            "model._target_=user_models.LitAutoEncoder",
+            "monitor.metric=train_loss",
+            "monitor.mode=min",
+        ],
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize(("model", "val_batches"), MODELS.values(), ids=list(MODELS))
+def test_a_callback_gets_every_per_batch_hook_it_overrides_and_is_skipped_for_the_rest(make_cfg, model, val_batches):
     BatchCounter.made.clear()
     cfg = make_cfg(
-        "model=mlp",
+        *model,
         "trainer.accelerator=cpu",
         "trainer.max_epochs=2",
         f"+trainer.limit_train_batches={TRAIN_BATCHES}",
@@ -56,7 +75,7 @@ def test_a_callback_gets_every_per_batch_hook_it_overrides_and_is_skipped_for_th
     assert len(BatchCounter.made) == 2
     assert BatchCounter.made[1].zero_grads == 2 * TRAIN_BATCHES  # a hook the instance set itself is kept
     for counter in BatchCounter.made:
-        assert (counter.train_batches, counter.val_batches) == (2 * TRAIN_BATCHES, 2 * VAL_BATCHES)
+        assert (counter.train_batches, counter.val_batches) == (2 * TRAIN_BATCHES, 2 * val_batches)
         assert counter.on_before_backward is None and counter.on_test_batch_end is None  # skipped by Lightning
         assert callable(counter.on_train_batch_end) and callable(counter.on_validation_batch_end)
     # the class itself is untouched: another instance, built elsewhere, has every hook

@@ -1,4 +1,4 @@
-"""The images TensorBoardInsights writes, drawn with Pillow and numpy from numpy arrays: about a millisecond each.
+"""The images TensorBoardInsights writes, drawn with Pillow and numpy from numpy arrays: 1-2 ms each.
 
 They are drawn in a thread beside training, so what counts is how long they hold the GIL: matplotlib held it for
 0.15-0.4 s an epoch; Pillow's text drawing (FreeType, with the GIL held) still cost the training thread about

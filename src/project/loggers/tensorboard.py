@@ -69,7 +69,7 @@ def masked_crc32c(data: bytes) -> int:
 def use_fast_checksums() -> None:
     """TensorBoard without TensorFlow checksums every event record with a pure-Python CRC-32C: about 7 ms for the
     60 KB sample grid, in the writer's thread but holding the GIL, so the training thread waited about 11 ms an
-    epoch for the two images (benchmarks/step_loop.py). The same values in C take microseconds. Readers (TensorBoard
+    epoch for the two images (benchmarks/figures.py). The same values in C take microseconds. Readers (TensorBoard
     itself) still check every record with their own implementation. Where google-crc32c has no C build for the
     platform, TensorBoard's own function is kept (the same values, slower)."""
     import google_crc32c
