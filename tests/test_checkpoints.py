@@ -57,7 +57,7 @@ def hostile_models(tmp: Path) -> dict[str, dict]:
             "project.models.classifier.L._graveyard._torchmetrics.torchmetrics.image.LearnedPerceptualImagePatchSimilarity",
             net_type="vgg",
         ),
-        "reexport": net("project.models.classifier.MeanMetric"),  # imported into an allowed module, defined outside
+        "reexport": net("project.models.classifier.MaxMetric"),  # imported into an allowed module, defined outside
         "huge": net("torch.nn.Linear", in_features=10**6, out_features=10**6),  # 4 TB, unless checked on meta
         "not_a_lightning_module": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
         # importing and hub targets nested inside an allowed net's config
@@ -227,3 +227,62 @@ def test_python_random_state_restores_from_a_tensor_and_from_the_older_tuple():
         random.seed(99)
         _restore({**saved, "python": layout}, cpu)
         assert [random.random() for _ in range(5)] == expected
+
+
+def test_checkpoints_written_in_the_background_are_snapshots_in_order_and_fail_loudly(tmp_path, monkeypatch):
+    """project.runs.atomic_io: inside in_background() a save is serialized at once (later changes to the weights
+    are not in it), written by the writer thread, and saves and removals land in the order they were made; a
+    failed write is raised at the next wait, save or teardown, as the one-line error a synchronous one gives."""
+    import pickle
+    import threading
+
+    from project.runs import atomic_io
+
+    writers = []
+    replace = atomic_io.os.replace
+    monkeypatch.setattr(
+        atomic_io.os, "replace", lambda *a: (writers.append(threading.current_thread().name), replace(*a))
+    )
+    checkpoints = atomic_io.AtomicCheckpointIO()
+    weights = {"w": torch.zeros(3)}
+    old, new, last = tmp_path / "epoch_001.ckpt", tmp_path / "epoch_002.ckpt", tmp_path / "last.ckpt"
+    checkpoints.save_checkpoint(weights, old)
+    with checkpoints.in_background():
+        weights["w"] += 1
+        checkpoints.save_checkpoint(weights, new)
+        checkpoints.remove_checkpoint(old)  # after the new best is on disk, never before
+        checkpoints.save_checkpoint(weights, last)
+    weights["w"] += 1  # the next optimizer step, while the writer may still be writing
+    checkpoints.wait()
+    assert writers[0] == "MainThread" and set(writers[1:]) == {"checkpoint-writer_0"} and len(writers) == 3
+    assert not old.exists() and torch.load(new)["w"].tolist() == torch.load(last)["w"].tolist() == [1.0] * 3
+    checkpoints.save_checkpoint(weights, last)  # a save outside (a signal's) waits for the writer, then writes
+    assert checkpoints.load_checkpoint(last)["w"].tolist() == [2.0] * 3
+    pickle.loads(pickle.dumps(checkpoints))  # ddp_spawn pickles the plugins
+
+    with checkpoints.in_background():
+        checkpoints.save_checkpoint(weights, Path("/proc/no/such/run/last.ckpt"))
+    with pytest.raises(UserError, match=r"last.ckpt: the checkpoint could not be written .* previous one is unchanged"):
+        checkpoints.teardown()
+    checkpoints.teardown()  # raised once; the writer thread is gone
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-writer")]
+
+
+def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_path):
+    """Lightning's MLflow/W&B loggers with log_model read the file when told of it: no background write then."""
+    from types import SimpleNamespace
+
+    from project.callbacks.checkpoint import BestCheckpoint
+    from project.runs.atomic_io import AtomicCheckpointIO
+
+    checkpoints = AtomicCheckpointIO()
+    callback = BestCheckpoint(dirpath=str(tmp_path), monitor="val/acc")
+    assert callback.state_key.startswith("ModelCheckpoint{")  # checkpoints of Lightning's class resume its state
+    for loggers, background in (
+        ([], 1),
+        ([SimpleNamespace(_log_model=False)], 1),
+        ([SimpleNamespace(_log_model="all")], 0),
+    ):
+        trainer = SimpleNamespace(loggers=loggers, strategy=SimpleNamespace(checkpoint_io=checkpoints))
+        with callback._writes_in_background(trainer):
+            assert checkpoints._background == background

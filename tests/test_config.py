@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import REPO, write_idx
 from hydra.errors import ConfigCompositionException
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from project import build
@@ -70,7 +71,7 @@ def test_option_composes_builds_and_trains(make_cfg, tmp_path, group, option):
     metrics = json.loads((tmp_path / "out" / "test_metrics.json").read_text())
     assert 0.0 <= metrics.get("test/acc", 0.0) <= 1.0 and metrics["test/loss"] > 0
     checkpointed = list((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
-    checkpointing = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks) and not trainer.fast_dev_run
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks) and not trainer.fast_dev_run
     assert bool(checkpointed) == checkpointing
 
 

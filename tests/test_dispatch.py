@@ -87,7 +87,7 @@ def test_lightnings_own_callbacks_keep_the_hooks_they_use(make_cfg):
     callbacks = build.named(cfg.callbacks, "callbacks")
     trainer = build.trainer(cfg.trainer, callbacks, build.named(cfg.logger, "logger"))
     by_name = {type(c).__name__: c for c in trainer.callbacks}
-    assert callable(by_name["ModelCheckpoint"].on_train_batch_end)  # step-based checkpoints
+    assert callable(by_name["BestCheckpoint"].on_train_batch_end)  # step-based checkpoints
     assert callable(by_name["ProgressBar"].on_train_batch_end)  # the bar's redraws
     assert by_name["EarlyStopping"].on_train_batch_end is None  # epochs only
     assert isinstance(trainer.profiler, QuietProfiler)
@@ -101,3 +101,45 @@ def test_a_profiler_asked_for_is_the_one_used_and_sees_the_callbacks(make_cfg, c
     train(cfg)
     report = capsys.readouterr().out + caplog.text  # Lightning prints the table at the end of fit
     assert "[Callback]ModelCheckpoint" in report and "on_train_batch_end" in report, report[:2000]
+
+
+def test_self_log_does_not_move_its_result_to_where_it_already_is(make_cfg, monkeypatch, tmp_path):
+    """project.loggers.logged_values: Lightning moved each logged value's result object to the value's device on
+    every self.log call (300-400 µs); now only when something in it is elsewhere. A user's module that logs every
+    step logs the same values with and without the skip, and on one device never needs the move."""
+    import json
+
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric
+    from torchmetrics import MeanMetric
+
+    from project.loggers import logged_values
+
+    lightnings, moves = logged_values._lightnings_to, []
+
+    def counted(result, *args, **kwargs):
+        moves.append(args)
+        return lightnings(result, *args, **kwargs)
+
+    monkeypatch.setattr(logged_values, "_lightnings_to", counted)
+    monkeypatch.setattr(_ResultMetric, "to", _ResultMetric.to)  # put back after the test, whatever it installs
+
+    def logged(out: str) -> dict:
+        model, _ = MODELS["user's LitAutoEncoder"]
+        overrides = ["trainer.accelerator=cpu", "trainer.max_epochs=2", "+trainer.limit_train_batches=4", "test=false"]
+        train(make_cfg(*model, *overrides, f"paths.output_dir={tmp_path / out}"))
+        return json.loads((tmp_path / out / "fit_metrics.json").read_text())
+
+    skipped = logged("skipped")
+    assert moves == [] and "train_loss" in skipped  # logged at every step, never moved
+    monkeypatch.setattr(logged_values, "skip_needless_moves", lambda: None)
+    monkeypatch.setattr(_ResultMetric, "to", counted)
+    assert logged("moved") == skipped and moves  # Lightning's own moves: the same values
+
+    moves.clear()
+    tensor = _ResultMetric(_Metadata(fx="training_step", name="loss"), is_tensor=True)
+    assert logged_values._to(tensor, torch.device("cpu")) is tensor and moves == []
+    wrapped = _ResultMetric(_Metadata(fx="training_step", name="acc"), is_tensor=False)
+    wrapped.update(MeanMetric(), 1)  # a logged metric: moved by Lightning when it is elsewhere
+    assert logged_values._to(wrapped, torch.device("meta")) is wrapped and len(moves) == 1
+    assert wrapped.value.device.type == "meta" and wrapped.value.mean_value.device.type == "meta"

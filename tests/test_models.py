@@ -68,3 +68,38 @@ def test_a_checkpoint_of_each_model_rebuilds_through_the_safe_loader(make_cfg, t
     assert type(loaded) is type(module) and type(getattr(loaded, "net", None)) is type(getattr(module, "net", None))
     for key, value in module.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value)
+
+
+def test_the_classifiers_metrics_equal_torchmetrics_own_and_combine_like_them():
+    """project.models.metrics keeps only the sums it reports: the values are torchmetrics' MeanMetric and micro
+    MulticlassAccuracy's, over batches of any size, after a reset, for any float dtype; and a state split over
+    replicas (dp, pipelines) or ranks adds back up through torchmetrics' own reductions."""
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from project.models.metrics import Accuracy, Mean
+
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = (Mean(), Accuracy()), (MeanMetric(), MulticlassAccuracy(num_classes=10, average="micro"))
+    assert float(Mean().compute()) == 0.0 and float(Accuracy().compute()) == 0.0  # as torchmetrics' divisions give
+    for epoch in range(2):
+        for size in (64, 64, 17, 1):
+            target = torch.randint(0, 10, (size,), generator=generator)
+            preds = torch.where(torch.rand(size, generator=generator) < 0.6, target, torch.randint(0, 10, (size,)))
+            loss = torch.rand((), generator=generator, dtype=torch.float64 if size == 17 else torch.float32) * 3
+            for mean, accuracy in (ours, theirs):
+                mean.update(loss.to(torch.bfloat16) if size == 1 else loss)
+                accuracy.update(preds, target)
+        for a, b in zip(ours, theirs):
+            assert torch.allclose(a.compute(), b.compute().float(), rtol=1e-6), (epoch, type(a).__name__)
+            a.reset(), b.reset()
+
+    whole, parts = Accuracy(), [Accuracy(), Accuracy()]
+    for part, (preds, target) in zip(
+        parts, [(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 0])), (torch.tensor([4]),) * 2]
+    ):
+        part.update(preds, target), whole.update(preds, target)
+    merged = Accuracy()
+    for part in parts:
+        merged._reduce_states(part.metric_state)
+    assert float(merged.compute()) == float(whole.compute()) == 0.75

@@ -32,6 +32,18 @@ def test_lightning_internals_used_by_strategies_launch_and_loggers():
     assert "cluster_environment" in inspect.signature(_SubprocessScriptLauncher).parameters
     # loggers/tensorboard.py writes the HParams summary through the writer's file writer
     assert "default_hp_metric" in inspect.signature(TensorBoardLogger).parameters
+    # loggers/logged_values.py: every self.log moves its result object with `.to(<a device>)`, the call it shortens
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    from project.loggers.logged_values import _lightnings_to
+
+    assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log)
+    assert "apply_to_collection" in inspect.getsource(_lightnings_to)  # Lightning's own, whatever is installed
+    # callbacks/checkpoint.py: ModelCheckpoint's saves and the removal of a replaced best file go through these
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    assert callable(ModelCheckpoint._save_topk_checkpoint) and callable(ModelCheckpoint._save_checkpoint)
+    assert "_remove_checkpoint" in inspect.getsource(ModelCheckpoint._update_best_and_save)
 
 
 def test_torchmetrics_internals_used_by_dp():

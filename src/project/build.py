@@ -239,6 +239,7 @@ def trainer(
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
     import project.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
     from project.callbacks.dispatch import skip_unused_hooks
+    from project.loggers.logged_values import skip_needless_moves
 
     _check_trainer_numbers(cfg)
 
@@ -253,6 +254,7 @@ def trainer(
     _check_precision(cfg, built)
     _check_processes(built, launch)
     skip_unused_hooks(built.callbacks)  # with the ones Lightning added (its progress bar, model summary)
+    skip_needless_moves()  # self.log no longer moves its result object to where it already is
     return built
 
 

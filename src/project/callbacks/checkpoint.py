@@ -3,8 +3,16 @@
 Lightning's ModelCheckpoint takes either epochs or steps, not both. A step save on an epoch's last batch
 comes before that epoch's validation, and a run resumed from it would skip the validation and the epoch-end
 hooks, so step saves leave that batch to the epoch-end save.
+
+Both checkpoint callbacks (the best by the monitored metric, and last.ckpt) hand their writes and the removal of a
+replaced best file to a writer thread while training goes on (project.runs.atomic_io); the files are complete
+when the stage ends (the callbacks' teardown, before the loggers finish) and before any other save or load. Not
+when a logger uploads checkpoint files as they are saved (`log_model` of Lightning's MLflow, W&B or Comet loggers,
+Neptune's `log_model_checkpoints`): those read the file at once, so it is written before they hear of it.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +20,43 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
-class LastCheckpoint(ModelCheckpoint):
+class WrittenInBackground(ModelCheckpoint):
+    """A ModelCheckpoint whose saves and removals the writer thread does (the module docstring)."""
+
+    @contextmanager
+    def _writes_in_background(self, trainer: L.Trainer) -> Iterator[None]:
+        in_background = getattr(trainer.strategy.checkpoint_io, "in_background", None)
+        if in_background is None or _a_logger_reads_checkpoints(trainer):
+            yield
+        else:
+            with in_background():
+                yield
+
+    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        with self._writes_in_background(trainer):  # the new best file, then the removal of the one it replaces
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        with self._writes_in_background(trainer):
+            super()._save_checkpoint(trainer, filepath)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+        if wait is not None:
+            wait()  # before the loggers finish (an MLflow run logs the best file) and whatever reads them next
+
+
+class BestCheckpoint(WrittenInBackground):
+    """Lightning's ModelCheckpoint (the top `save_top_k` by `monitor`), written in the background."""
+
+    @property
+    def state_key(self) -> str:
+        # Lightning's own key ("ModelCheckpoint{...}"): a checkpoint saved before this class existed resumes with
+        # its best file and score known
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+
+class LastCheckpoint(WrittenInBackground):
     """`dirpath`/last.ckpt, rewritten every epoch and every `every_n_steps` optimizer steps (null: epochs only)."""
 
     def __init__(self, dirpath: str, every_n_steps: int | None = None, **kwargs: Any) -> None:
@@ -40,3 +84,9 @@ class LastCheckpoint(ModelCheckpoint):
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the epoch-end save follows, after validation
         self._save_checkpoint(trainer, str(self.path))
+
+
+def _a_logger_reads_checkpoints(trainer: L.Trainer) -> bool:
+    return any(
+        getattr(logger, name, False) for logger in trainer.loggers for name in ("_log_model", "_log_model_checkpoints")
+    )

@@ -6,8 +6,9 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import MaxMetric
+
+from project.models.metrics import Accuracy, Mean
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -44,15 +45,11 @@ class ImageClassifier(L.LightningModule):
         self.scheduler_factory = scheduler
         self.monitor = monitor  # what a plateau scheduler watches: the run's monitor.metric
         self.criterion = nn.CrossEntropyLoss()
-        # One metric object per split: their states must not mix (val runs inside the train epoch).
-        # A non-finite loss stops the run (project.callbacks.checks); the metric need not look for NaN too, which it
-        # would do with a host sync on every update.
-        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
-        # validate_args=False: predictions are argmax indices of our own logits; the checks cost a torch.unique
-        # (and on a GPU a host sync) per update
-        self.train_acc, self.val_acc, self.test_acc = (
-            MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False) for _ in range(3)
-        )
+        # One metric object per split: their states must not mix (val runs inside the train epoch). They keep only
+        # the sums they report (project.models.metrics: a third of torchmetrics' per-step cost); a non-finite loss
+        # stops the run (project.callbacks.checks), so the mean need not look for NaN, with a host sync per update.
+        self.train_loss, self.val_loss, self.test_loss = Mean(), Mean(), Mean()
+        self.train_acc, self.val_acc, self.test_acc = Accuracy(), Accuracy(), Accuracy()
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in checkpoints, so a resumed run still knows its best
 

@@ -1,0 +1,61 @@
+"""The classifier's loss mean and accuracy, at a third of torchmetrics' per-step cost, with the same values.
+
+Each training step updates a loss mean and an accuracy. torchmetrics' MeanMetric checks and broadcasts weights on
+every update, and MulticlassAccuracy computes every class's true and false positives and negatives, where micro
+accuracy needs only the correct count: together 60-110 µs a step, a tenth of the MLP's 1 ms steps
+(benchmarks/step_loop.py). These two keep only the sums they report. They are torchmetrics Metrics all the same,
+so ddp syncs them, dp's replicas combine them (project.strategies.pieces), and Lightning logs, computes and
+resets them as it does torchmetrics' own. For more metrics (F1, per-class accuracy, ...), add torchmetrics'
+classes beside them; each costs its update on every step.
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class Mean(Metric):
+    """The mean of every value updated since the last reset: a step's loss counts once, whatever its batch size
+    (torchmetrics' `MeanMetric(nan_strategy="disable")`). 0 before any update, as torchmetrics' division gives."""
+
+    full_state_update = False
+    is_differentiable = False
+    total: Tensor
+    count: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros(()), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, value: Tensor) -> None:
+        self.total.add_(value.detach().sum().to(self.total.dtype))
+        self.count.add_(value.numel())
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp(min=1)
+
+
+class Accuracy(Metric):
+    """Correct predictions over all predictions since the last reset, from predicted and true class indices
+    (torchmetrics' `MulticlassAccuracy(average="micro")`). 0 before any update."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = True
+    correct: Tensor
+    total: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("correct", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        self.correct.add_((preds == target).sum())
+        self.total.add_(target.numel())
+
+    def compute(self) -> Tensor:
+        return self.correct / self.total.clamp(min=1)
