@@ -42,3 +42,34 @@ def test_a_ddp_step_makes_no_collective_and_no_host_sync_of_the_templates_betwee
         assert set(per_step.values()) == {1}  # one collective and one host sync each time
         # Lightning's own per-step broadcast of rank 0's SIGTERM flag is off: signals are agreed as above
         assert not [e for e in in_steps if e["kind"] == "collective" and e["origin"] == "lightning"]
+
+
+def test_a_save_right_after_an_agreement_does_not_agree_again(make_cfg, monkeypatch):
+    """Before a checkpoint the ranks agree the run is sound (project.callbacks.checks), unless they just did on the
+    same weights and losses: at an epoch's end the best file's save agrees, the epoch end agrees (signals too), and
+    last.ckpt's save, right after, does not. A save after more steps agrees again."""
+    from project.callbacks.checks import RunChecks
+    from project.tasks.training import train
+
+    agreed = collections.Counter()
+    original = RunChecks._agree
+
+    def counted(self, trainer, pl_module, signals):
+        agreed[trainer.global_step] += 1
+        return original(self, trainer, pl_module, signals)
+
+    monkeypatch.setattr(RunChecks, "_agree", counted)
+    steps = 4
+    cfg = make_cfg(
+        "model=mlp",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=2",
+        f"+trainer.limit_train_batches={steps}",
+        "checks.every_n_steps=1000",
+        "callbacks.last_checkpoint.every_n_steps=3",
+        "test=false",
+    )
+    train(cfg)
+    # steps 3 and 6: last.ckpt's step saves; 4 and 8: the epoch ends (best + epoch end; last.ckpt's save is free);
+    # 8 again: the end of fit
+    assert agreed[3] == agreed[6] == 1 and agreed[4] <= 2 and agreed[8] <= 3, agreed

@@ -73,6 +73,7 @@ class RunChecks(L.Callback):
         self._last: torch.Tensor | None = None
         self._last_finite: float | None = None  # the loss at the last agreement
         self._agreed_at = 0  # the global step of the last agreement: the run was sound up to there
+        self._agreed_losses: torch.Tensor | None | bool = False  # the loss sum then (False: no agreement yet)
         self._stopping = False
         self._test_batches = 0
 
@@ -110,6 +111,7 @@ class RunChecks(L.Callback):
             self._stopping = True
             raise self._diverged(trainer, "loss" if bad_loss else "weights")
         self._agreed_at, self._last_finite = trainer.global_step, last_loss  # the largest over the ranks
+        self._agreed_losses = self._losses
         if signum_found:
             self._stopping = True
             self._stop(trainer, int(signum_found))
@@ -120,8 +122,13 @@ class RunChecks(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
 
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and not self._agreed_on_this(trainer):
             self._agree(trainer, pl_module, signals=False)  # a checkpoint is never written after the run diverged
+
+    def _agreed_on_this(self, trainer: L.Trainer) -> bool:
+        """The ranks already agreed on these weights and losses: no step and no loss since (the epoch's end agreed
+        just before its last.ckpt is saved)."""
+        return self._agreed_losses is self._losses and self._agreed_at == trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._agree(trainer, pl_module, signals=True)
