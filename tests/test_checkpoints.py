@@ -230,9 +230,10 @@ def test_python_random_state_restores_from_a_tensor_and_from_the_older_tuple():
 
 
 def test_checkpoints_written_in_the_background_are_snapshots_in_order_and_fail_loudly(tmp_path, monkeypatch):
-    """project.runs.atomic_io: inside in_background() a save is serialized at once (later changes to the weights
-    are not in it), written by the writer thread, and saves and removals land in the order they were made; a
-    failed write is raised at the next wait, save or teardown, as the one-line error a synchronous one gives."""
+    """project.runs.atomic_io: a save of the file in_background() names is serialized at once (later changes to
+    the weights are not in it) and written by the writer thread; saves and removals land in the order they were
+    made; any other save (a signal handler's, meanwhile) is written at once, after the writer; a failed write is
+    raised at the next wait, save or teardown, as the one-line error a synchronous one gives."""
     import pickle
     import threading
 
@@ -245,27 +246,52 @@ def test_checkpoints_written_in_the_background_are_snapshots_in_order_and_fail_l
     )
     checkpoints = atomic_io.AtomicCheckpointIO()
     weights = {"w": torch.zeros(3)}
-    old, new, last = tmp_path / "epoch_001.ckpt", tmp_path / "epoch_002.ckpt", tmp_path / "last.ckpt"
+    old, new, last, hpc = (tmp_path / name for name in ("epoch_001.ckpt", "epoch_002.ckpt", "last.ckpt", "hpc.ckpt"))
     checkpoints.save_checkpoint(weights, old)
-    with checkpoints.in_background():
-        weights["w"] += 1
+    weights["w"] += 1
+    with checkpoints.in_background(new):
         checkpoints.save_checkpoint(weights, new)
+        checkpoints.save_checkpoint(weights, hpc)  # a signal handler's save (SLURM's requeue): not in the background
+    with checkpoints.in_background(old):
         checkpoints.remove_checkpoint(old)  # after the new best is on disk, never before
+    with checkpoints.in_background(last):
         checkpoints.save_checkpoint(weights, last)
     weights["w"] += 1  # the next optimizer step, while the writer may still be writing
     checkpoints.wait()
-    assert writers[0] == "MainThread" and set(writers[1:]) == {"checkpoint-writer_0"} and len(writers) == 3
-    assert not old.exists() and torch.load(new)["w"].tolist() == torch.load(last)["w"].tolist() == [1.0] * 3
+    assert writers == ["MainThread", "checkpoint-writer_0", "MainThread", "checkpoint-writer_0"], writers
+    assert not old.exists() and [torch.load(p)["w"].tolist() for p in (new, hpc, last)] == [[1.0] * 3] * 3
     checkpoints.save_checkpoint(weights, last)  # a save outside (a signal's) waits for the writer, then writes
     assert checkpoints.load_checkpoint(last)["w"].tolist() == [2.0] * 3
     pickle.loads(pickle.dumps(checkpoints))  # ddp_spawn pickles the plugins
 
-    with checkpoints.in_background():
-        checkpoints.save_checkpoint(weights, Path("/proc/no/such/run/last.ckpt"))
-    with pytest.raises(UserError, match=r"last.ckpt: the checkpoint could not be written .* previous one is unchanged"):
+    failing = Path("/proc/no/such/run/epoch_003.ckpt")  # a full or read-only disk
+    with checkpoints.in_background(failing):
+        checkpoints.save_checkpoint(weights, failing)
+    with checkpoints.in_background(new):
+        checkpoints.remove_checkpoint(new)  # the best file it was to replace: kept, since the write failed
+    with pytest.raises(UserError, match=r"epoch_003.ckpt: the checkpoint could not be written .* previous one is unch"):
         checkpoints.teardown()
+    assert new.is_file()
     checkpoints.teardown()  # raised once; the writer thread is gone
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-writer")]
+
+
+def test_a_failed_background_write_does_not_hide_the_error_that_ends_the_run(tmp_path, caplog):
+    """Lightning tears the strategy down while a divergence or Ctrl-C is on its way out: a failed write is logged
+    then, and the run ends with its own error (its message, its exit code)."""
+    from project.runs.atomic_io import AtomicCheckpointIO
+
+    checkpoints = AtomicCheckpointIO()
+    failing = Path("/proc/no/such/run/last.ckpt")
+    with checkpoints.in_background(failing):
+        checkpoints.save_checkpoint({"w": torch.zeros(1)}, failing)
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            checkpoints.teardown()
+            raise
+    assert "last.ckpt: the checkpoint could not be written" in caplog.text
 
 
 def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_path):
@@ -277,12 +303,21 @@ def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_
 
     checkpoints = AtomicCheckpointIO()
     callback = BestCheckpoint(dirpath=str(tmp_path), monitor="val/acc")
+    waited = []
+    io = SimpleNamespace(wait=lambda: waited.append("wait"))
+    decide = SimpleNamespace(checkpoint_io=io, reduce_boolean_decision=lambda x, all: waited.append(x) or x)
+    trainer = SimpleNamespace(is_global_zero=True, strategy=decide)
+    # the version counter asks whether a name is taken: a file still being written is
+    assert callback.file_exists(tmp_path / "nothing.ckpt", trainer) is False and waited == ["wait", False]
     assert callback.state_key.startswith("ModelCheckpoint{")  # checkpoints of Lightning's class resume its state
-    for loggers, background in (
-        ([], 1),
-        ([SimpleNamespace(_log_model=False)], 1),
-        ([SimpleNamespace(_log_model="all")], 0),
+    path = tmp_path / "epoch_001.ckpt"
+    for logger, background in (
+        (None, True),
+        (SimpleNamespace(_log_model=False), True),
+        (SimpleNamespace(_log_model="all"), False),
     ):
-        trainer = SimpleNamespace(loggers=loggers, strategy=SimpleNamespace(checkpoint_io=checkpoints))
-        with callback._writes_in_background(trainer):
-            assert checkpoints._background == background
+        trainer = SimpleNamespace(
+            loggers=[logger] if logger else [], strategy=SimpleNamespace(checkpoint_io=checkpoints)
+        )
+        with callback._in_background(trainer, str(path)):
+            assert checkpoints._in_background(path) is background

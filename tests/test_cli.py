@@ -121,7 +121,7 @@ def test_a_monitored_metric_that_is_never_logged_is_one_line(cli, tmp_path):
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ModelCheckpoint watches 'val/nonexistent', which ")
+    assert len(lines) == 1 and lines[0].startswith("error: BestCheckpoint watches 'val/nonexistent', which ")
     assert "it logged: " in lines[0] and "val/acc" in lines[0] and "monitor.metric" in lines[0]
 
 

@@ -81,7 +81,10 @@ def test_the_classifiers_metrics_equal_torchmetrics_own_and_combine_like_them():
 
     generator = torch.Generator().manual_seed(0)
     ours, theirs = (Mean(), Accuracy()), (MeanMetric(), MulticlassAccuracy(num_classes=10, average="micro"))
-    assert float(Mean().compute()) == 0.0 and float(Accuracy().compute()) == 0.0  # as torchmetrics' divisions give
+    assert Mean().compute().isnan() and MeanMetric().compute().isnan()  # before any update, as torchmetrics' give
+    assert float(Accuracy().compute()) == float(MulticlassAccuracy(num_classes=10).compute()) == 0.0
+    with pytest.raises(ValueError, match=r"class indices shaped like the targets \(10,\); got \(10, 10\)"):
+        Accuracy().update(torch.randn(10, 10), torch.arange(10))  # logits by mistake: refused, not broadcast
     for epoch in range(2):
         for size in (64, 64, 17, 1):
             target = torch.randint(0, 10, (size,), generator=generator)

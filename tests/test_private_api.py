@@ -42,8 +42,9 @@ def test_lightning_internals_used_by_strategies_launch_and_loggers():
     # callbacks/checkpoint.py: ModelCheckpoint's saves and the removal of a replaced best file go through these
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    assert callable(ModelCheckpoint._save_topk_checkpoint) and callable(ModelCheckpoint._save_checkpoint)
-    assert "_remove_checkpoint" in inspect.getsource(ModelCheckpoint._update_best_and_save)
+    assert "trainer.strategy.remove_checkpoint(filepath)" in inspect.getsource(ModelCheckpoint._remove_checkpoint)
+    source = inspect.getsource(ModelCheckpoint._update_best_and_save)  # the new best is saved, then the old removed
+    assert -1 < source.index("self._save_checkpoint(") < source.index("self._remove_checkpoint(")
 
 
 def test_torchmetrics_internals_used_by_dp():

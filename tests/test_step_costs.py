@@ -73,3 +73,22 @@ def test_a_save_right_after_an_agreement_does_not_agree_again(make_cfg, monkeypa
     # steps 3 and 6: last.ckpt's step saves; 4 and 8: the epoch ends (best + epoch end; last.ckpt's save is free);
     # 8 again: the end of fit
     assert agreed[3] == agreed[6] == 1 and agreed[4] <= 2 and agreed[8] <= 3, agreed
+
+
+def test_weights_changed_in_place_since_the_agreement_are_agreed_on_again():
+    """A hook that rescales the weights between the epoch end's agreement and last.ckpt's save (a module's own
+    on_train_epoch_end runs between the two when there is no validation) gets them checked again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from project.callbacks.checks import RunChecks
+
+    checks, module = RunChecks(every_n_steps=1000), torch.nn.Linear(2, 1)
+    trainer = SimpleNamespace(global_step=5, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    assert not checks._agreed_on_this(trainer, module)  # no agreement yet
+    checks._agree(trainer, module, signals=False)
+    assert checks._agreed_on_this(trainer, module)
+    with torch.no_grad():
+        module.weight.mul_(2)
+    assert not checks._agreed_on_this(trainer, module)

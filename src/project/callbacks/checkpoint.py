@@ -24,26 +24,33 @@ class WrittenInBackground(ModelCheckpoint):
     """A ModelCheckpoint whose saves and removals the writer thread does (the module docstring)."""
 
     @contextmanager
-    def _writes_in_background(self, trainer: L.Trainer) -> Iterator[None]:
+    def _in_background(self, trainer: L.Trainer, filepath: str) -> Iterator[None]:
         in_background = getattr(trainer.strategy.checkpoint_io, "in_background", None)
         if in_background is None or _a_logger_reads_checkpoints(trainer):
             yield
         else:
-            with in_background():
+            with in_background(filepath):
                 yield
 
-    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
-        with self._writes_in_background(trainer):  # the new best file, then the removal of the one it replaces
-            super()._save_topk_checkpoint(trainer, monitor_candidates)
-
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        with self._writes_in_background(trainer):
+        with self._in_background(trainer, filepath):
             super()._save_checkpoint(trainer, filepath)
 
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        with self._in_background(trainer, filepath):  # a replaced best file: after its successor is written
+            super()._remove_checkpoint(trainer, filepath)
+
+    def file_exists(self, filepath: Any, trainer: L.Trainer) -> bool:
+        _wait(trainer)  # a file still being written exists: the version counter must not reuse its name
+        return super().file_exists(filepath, trainer)
+
+    @staticmethod
+    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
+        _wait(trainer)  # `save_last: link`: never a link to a file not yet written
+        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
-        if wait is not None:
-            wait()  # before the loggers finish (an MLflow run logs the best file) and whatever reads them next
+        _wait(trainer)  # before the loggers finish (an MLflow run logs the best file) and whatever reads them next
 
 
 class BestCheckpoint(WrittenInBackground):
@@ -84,6 +91,12 @@ class LastCheckpoint(WrittenInBackground):
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the epoch-end save follows, after validation
         self._save_checkpoint(trainer, str(self.path))
+
+
+def _wait(trainer: L.Trainer) -> None:
+    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+    if wait is not None:
+        wait()
 
 
 def _a_logger_reads_checkpoints(trainer: L.Trainer) -> bool:

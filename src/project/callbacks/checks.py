@@ -59,6 +59,11 @@ def _finite(tensors: list[Any]) -> torch.Tensor | None:
     return torch.stack([n.float() for n in torch._foreach_norm(local)]).sum().isfinite()
 
 
+def _versions(module: L.LightningModule) -> int:
+    """Changes with every in-place change to a weight (an optimizer step, a hook that rescales them)."""
+    return sum(p._version for p in module.parameters())
+
+
 class RunChecks(L.Callback):
     """See the module docstring. `every_n_steps`: optimizer steps between the ranks' agreements (config:
     `checks.every_n_steps`)."""
@@ -74,6 +79,7 @@ class RunChecks(L.Callback):
         self._last_finite: float | None = None  # the loss at the last agreement
         self._agreed_at = 0  # the global step of the last agreement: the run was sound up to there
         self._agreed_losses: torch.Tensor | None | bool = False  # the loss sum then (False: no agreement yet)
+        self._agreed_versions = -1  # and the weights' in-place versions
         self._stopping = False
         self._test_batches = 0
 
@@ -111,7 +117,7 @@ class RunChecks(L.Callback):
             self._stopping = True
             raise self._diverged(trainer, "loss" if bad_loss else "weights")
         self._agreed_at, self._last_finite = trainer.global_step, last_loss  # the largest over the ranks
-        self._agreed_losses = self._losses
+        self._agreed_losses, self._agreed_versions = self._losses, _versions(pl_module)
         if signum_found:
             self._stopping = True
             self._stop(trainer, int(signum_found))
@@ -122,13 +128,18 @@ class RunChecks(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
 
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and not self._agreed_on_this(trainer):
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if fitting and not self._agreed_on_this(trainer, pl_module):
             self._agree(trainer, pl_module, signals=False)  # a checkpoint is never written after the run diverged
 
-    def _agreed_on_this(self, trainer: L.Trainer) -> bool:
-        """The ranks already agreed on these weights and losses: no step and no loss since (the epoch's end agreed
-        just before its last.ckpt is saved)."""
-        return self._agreed_losses is self._losses and self._agreed_at == trainer.global_step
+    def _agreed_on_this(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        """The ranks already agreed on these weights and losses (the epoch's end agreed just before its last.ckpt is
+        saved): no step, no loss and no change to any weight since (tensor versions count in-place changes)."""
+        return (
+            self._agreed_losses is self._losses
+            and self._agreed_at == trainer.global_step
+            and self._agreed_versions == _versions(pl_module)
+        )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._agree(trainer, pl_module, signals=True)

@@ -18,7 +18,7 @@ from torchmetrics import Metric
 
 class Mean(Metric):
     """The mean of every value updated since the last reset: a step's loss counts once, whatever its batch size
-    (torchmetrics' `MeanMetric(nan_strategy="disable")`). 0 before any update, as torchmetrics' division gives."""
+    (torchmetrics' `MeanMetric(nan_strategy="disable")`). NaN before any update, as torchmetrics' gives."""
 
     full_state_update = False
     is_differentiable = False
@@ -35,7 +35,7 @@ class Mean(Metric):
         self.count.add_(value.numel())
 
     def compute(self) -> Tensor:
-        return self.total / self.count.clamp(min=1)
+        return self.total / self.count
 
 
 class Accuracy(Metric):
@@ -54,6 +54,11 @@ class Accuracy(Metric):
         self.add_state("total", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, target: Tensor) -> None:
+        if preds.shape != target.shape:  # logits (N, C) would broadcast against (N,): class indices are meant
+            raise ValueError(
+                f"Accuracy takes predicted class indices shaped like the targets {tuple(target.shape)}; "
+                f"got {tuple(preds.shape)} (logits? pass logits.argmax(dim=1))"
+            )
         self.correct.add_((preds == target).sum())
         self.total.add_(target.numel())
 

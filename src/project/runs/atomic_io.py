@@ -7,19 +7,21 @@ renamed file may be empty. Here the temporary file sits in the checkpoint's own 
 fsynced. Sharded checkpoints are swapped in whole: project.strategies.fsdp. A write that fails (a full or
 read-only disk) leaves the previous checkpoint as it was and ends the run in one line.
 
-last.ckpt, rewritten every epoch, is written in the background (`AtomicCheckpointIO.in_background`, used by
-project.callbacks.checkpoint): the checkpoint is serialized on the training thread (a snapshot: the next steps
-change the weights), and a writer thread writes, fsyncs and renames it while training goes on. At most one such
-write is in flight; every other save, removal, load and the end of the stage (teardown) first waits for it, so
-files change in the order they were saved, and a failed write ends the run at that point with its one-line
-message. A signal's save and a SLURM requeue's are never in the background. On the MLP's 100 ms epochs this takes
-about 3.5 ms an epoch off the training thread (benchmarks/step_loop.py); a kill -9 during the write leaves the
-previous last.ckpt, as it would during a write on the training thread. The cost: a copy of the checkpoint in
-memory until it is written.
+The checkpoint callbacks' saves, and their removals of a replaced best file, are written in the background
+(`AtomicCheckpointIO.in_background`, used by project.callbacks.checkpoint): the checkpoint is serialized on the
+training thread (a snapshot: the next steps change the weights), and a writer thread writes, fsyncs and renames it
+while training goes on. At most one checkpoint waits in memory; every other save, removal, load and the end of the
+stage (teardown) first waits for the writer, so files change in the order they were saved, and a failed write ends
+the run at that point with its one-line message. A signal's save and a SLURM requeue's are never in the
+background. On the MLP's 100 ms epochs this takes 3-4 ms a write off the training thread (benchmarks/step_loop.py);
+a kill -9 during the write leaves the previous file, as it would during a write on the training thread. The cost:
+a copy of the checkpoint in memory until it is written.
 """
 
 import io
+import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,6 +31,8 @@ from typing import Any
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from project.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -84,7 +88,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     restores it."""
 
     _handed: tuple[Path, dict] | None = None
-    _background = 0  # depth of in_background()
+    _background: Path | None = None  # the one file in_background() is for
     _writer: ThreadPoolExecutor | None = None
     _pending: tuple[Future, ...] = ()
 
@@ -93,13 +97,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return {k: v for k, v in self.__dict__.items() if k not in ("_writer", "_pending")}
 
     @contextmanager
-    def in_background(self) -> Iterator[None]:
-        """Saves and removals inside go to the writer thread, in order (the module docstring)."""
-        self._background += 1
+    def in_background(self, path: Any) -> Iterator[None]:
+        """A save or removal of `path` inside goes to the writer thread, after those before it (the module
+        docstring). Only that file's: a save a signal handler makes meanwhile (SLURM's requeue) is written at once."""
+        self._background = Path(path)
         try:
             yield
         finally:
-            self._background -= 1
+            self._background = None
+
+    def _in_background(self, path: Any) -> bool:
+        return self._background is not None and Path(path) == self._background
 
     def wait(self) -> None:
         """Until every save and removal handed to the writer thread is done; the first failure is raised here."""
@@ -126,26 +134,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in str(path) or storage_options is not None:
             self.wait()
             return super().save_checkpoint(checkpoint, path, storage_options)
-        if not self._background:
+        if not self._in_background(path):
             self.wait()
             return write_atomically(checkpoint, Path(path))
         import torch
 
+        self.wait()  # first: at most one checkpoint in memory besides the live one
         snapshot = io.BytesIO()  # the state as it is now: the next steps change the weights
         torch.save(checkpoint, snapshot)
-        self.wait()  # at most one checkpoint in memory besides the live one
         self._submit(write_atomically, snapshot.getbuffer(), Path(path))
 
     def remove_checkpoint(self, path: Any) -> None:
-        if self._background:  # after the save that replaces it, in the writer thread: never neither of the two
-            return self._submit(super().remove_checkpoint, path)
+        if self._in_background(path):  # after the save that replaces it, in the writer thread: never neither of them
+            return self._submit(self._remove_unless_failed, self._pending, path)
         self.wait()
         super().remove_checkpoint(path)
 
+    def _remove_unless_failed(self, before: tuple[Future, ...], path: Any) -> None:
+        """A replaced file goes only once what replaces it is written (a full disk keeps the old best file)."""
+        if not any(future.exception() for future in before):
+            super().remove_checkpoint(path)
+
     def teardown(self) -> None:
+        """Waits for the writer. While another error ends the run (a divergence, Ctrl-C), a failed write is logged
+        rather than raised over it: that error says why the run ended, and sets its exit code."""
         writer, self._writer = self._writer, None
+        ending = sys.exc_info()[1] is not None
         try:
             self.wait()
+        except UserError as e:
+            if not ending:
+                raise
+            log.error(str(e))
         finally:
             if writer is not None:
                 writer.shutdown(wait=True)
