@@ -10,12 +10,13 @@ read-only disk) leaves the previous checkpoint as it was and ends the run in one
 The checkpoint callbacks' saves, and their removals of a replaced best file, are written in the background
 (`AtomicCheckpointIO.in_background`, used by project.callbacks.checkpoint): the checkpoint is serialized on the
 training thread (a snapshot: the next steps change the weights), and a writer thread writes, fsyncs and renames it
-while training goes on. At most one checkpoint waits in memory; every other save, removal, load and the end of the
-stage (teardown) first waits for the writer, so files change in the order they were saved, and a failed write ends
-the run at that point with its one-line message. A signal's save and a SLURM requeue's are never in the
-background. On the MLP's 100 ms epochs this takes 3-4 ms a write off the training thread (benchmarks/step_loop.py);
-a kill -9 during the write leaves the previous file, as it would during a write on the training thread. The cost:
-a copy of the checkpoint in memory until it is written.
+while training goes on. At most two checkpoints wait in memory (the one being written and the next); every other
+save, removal, load and the end of the stage (teardown) first waits for the writer, so files change in the order
+they were saved, and a failed write ends the run at that point with its one-line message. A signal's save and a
+SLURM requeue's are never in the background. The training thread still collects and serializes the state; what
+leaves it is the file I/O (the write, the fsyncs, the rename), which on a cluster's network filesystem is most of a
+save. A kill -9 during the write leaves the previous file, as it would during a write on the training thread. The
+cost: up to two copies of the checkpoint in memory until they are written.
 """
 
 import io
@@ -139,9 +140,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return write_atomically(checkpoint, Path(path))
         import torch
 
-        self.wait()  # first: at most one checkpoint in memory besides the live one
         snapshot = io.BytesIO()  # the state as it is now: the next steps change the weights
-        torch.save(checkpoint, snapshot)
+        torch.save(checkpoint, snapshot)  # meanwhile the writer finishes the one before (an epoch's best, then last)
+        self.wait()  # so at most two copies in memory: the one being written and this one
         self._submit(write_atomically, snapshot.getbuffer(), Path(path))
 
     def remove_checkpoint(self, path: Any) -> None:
