@@ -146,8 +146,8 @@ class DtypeProbe(L.Callback):
 class KillAt(L.Callback):
     """$KILL_AT_STEP=<k> [$KILL_RANK=<r>, default 0]: that rank SIGKILLs itself as step k starts, as a
     scheduler's kill -9 or a lost node would, once the checkpoints saved before it are on disk (the writer thread
-    finishes a save a few milliseconds after it was made; a kill inside that window: KillDuringSave).
-    $STEP_SLEEP=<s> slows every step (time to send signals)."""
+    finishes a save a few milliseconds after it was made), or at once with $KILL_WITHOUT_WAITING=1 (the newest
+    save may then be lost; the one before is whole). $STEP_SLEEP=<s> slows every step (time to send signals)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         if "PROBE_DIR" in os.environ:
@@ -161,7 +161,8 @@ class KillAt(L.Callback):
         kill_at = os.environ.get("KILL_AT_STEP")
         if kill_at is not None and trainer.global_step == int(kill_at):
             if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
-                trainer.strategy.checkpoint_io.wait()
+                if not os.environ.get("KILL_WITHOUT_WAITING"):
+                    trainer.strategy.checkpoint_io.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -321,3 +321,38 @@ def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_
         )
         with callback._in_background(trainer, str(path)):
             assert checkpoints._in_background(path) is background
+
+
+def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_cfg, monkeypatch, tmp_path):
+    """Through train() with a user's LightningModule (Lightning's README autoencoder, monitored on its train_loss):
+    the best and last files are written by the writer thread, replaced best files are removed, and every file is
+    on disk, whole, when fit returns (the callbacks' teardown waits)."""
+    import threading
+
+    from project.runs import atomic_io
+    from project.tasks.training import train
+
+    written = []
+    replace = atomic_io.os.replace
+    monkeypatch.setattr(
+        atomic_io.os,
+        "replace",
+        lambda a, b: (written.append((threading.current_thread().name, Path(b).name)), replace(a, b)),
+    )
+    cfg = make_cfg(
+        "model=autoencoder",
+        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
+        "model._target_=user_models.LitAutoEncoder",
+        "monitor.metric=train_loss",
+        "monitor.mode=min",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=3",
+        "+trainer.limit_train_batches=4",
+        "test=false",
+    )
+    train(cfg)
+    checkpoints = [(thread, name) for thread, name in written if name.endswith(".ckpt")]
+    assert {thread for thread, _ in checkpoints} == {"checkpoint-writer_0"} and len(checkpoints) >= 4, written
+    on_disk = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
+    assert [p.name for p in on_disk if p.name != "last.ckpt"] and len(on_disk) == 2  # the top-1 best and last.ckpt
+    assert all(torch.load(p, weights_only=True)["global_step"] > 0 for p in on_disk)

@@ -122,7 +122,7 @@ def test_self_log_does_not_move_its_result_to_where_it_already_is(make_cfg, monk
         return lightnings(result, *args, **kwargs)
 
     monkeypatch.setattr(logged_values, "_lightnings_to", counted)
-    monkeypatch.setattr(_ResultMetric, "to", _ResultMetric.to)  # put back after the test, whatever it installs
+    monkeypatch.setattr(_ResultMetric, "to", lightnings)  # Lightning's own until the Trainer is built
 
     def logged(out: str) -> dict:
         model, _ = MODELS["user's LitAutoEncoder"]
@@ -131,6 +131,7 @@ def test_self_log_does_not_move_its_result_to_where_it_already_is(make_cfg, monk
         return json.loads((tmp_path / out / "fit_metrics.json").read_text())
 
     skipped = logged("skipped")
+    assert _ResultMetric.to is logged_values._to  # installed by build.trainer
     assert moves == [] and "train_loss" in skipped  # logged at every step, never moved
     monkeypatch.setattr(logged_values, "skip_needless_moves", lambda: None)
     monkeypatch.setattr(_ResultMetric, "to", counted)

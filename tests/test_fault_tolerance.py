@@ -60,14 +60,20 @@ def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
     return weights(run)
 
 
-@pytest.mark.parametrize("kill_at", [5, 13], ids=["mid-epoch-0", "mid-epoch-1-after-an-epoch-end"])
-def test_a_run_killed_at_any_step_resumes_bit_for_bit(tmp_path, unbroken, kill_at):
-    killed = train(tmp_path / "killed", *RUN, env={"KILL_AT_STEP": str(kill_at)}, check=False)
+@pytest.mark.parametrize(
+    ("kill_at", "wait"), [(5, True), (13, False)], ids=["mid-epoch-0", "mid-epoch-1-after-an-epoch-end-mid-write"]
+)
+def test_a_run_killed_at_any_step_resumes_bit_for_bit(tmp_path, unbroken, kill_at, wait):
+    """`wait`: the kill comes once the saves before it are on disk; else at once, maybe while the writer thread is
+    still writing the newest (project.runs.atomic_io): the one before it is then the newest whole one."""
+    env = {"KILL_AT_STEP": str(kill_at), **({} if wait else {"KILL_WITHOUT_WAITING": "1"})}
+    killed = train(tmp_path / "killed", *RUN, env=env, check=False)
     assert killed.returncode == -signal.SIGKILL
     (run,) = run_dirs(tmp_path / "killed" / "logs")
     last = run / "checkpoints" / "last.ckpt"
     saved_at = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
-    assert saved_at == max(s for s in (3, 6, 8, 9, 12) if s <= kill_at)  # step saves, and the epoch-end one
+    saves = [s for s in (3, 6, 8, 9, 12) if s <= kill_at]  # step saves, and the epoch-end one
+    assert saved_at == saves[-1] if wait else saved_at in saves[-2:]
     train(tmp_path / "resumed", *RUN, f"ckpt_path={last}")
     (resumed,) = run_dirs(tmp_path / "resumed" / "logs")
     assert_same_weights(weights(resumed), unbroken)

@@ -7,8 +7,8 @@ hooks, so step saves leave that batch to the epoch-end save.
 Both checkpoint callbacks (the best by the monitored metric, and last.ckpt) hand their writes and the removal of a
 replaced best file to a writer thread while training goes on (project.runs.atomic_io); the files are complete
 when the stage ends (the callbacks' teardown, before the loggers finish) and before any other save or load. Not
-when a logger uploads checkpoint files as they are saved (`log_model` of Lightning's MLflow, W&B or Comet loggers,
-Neptune's `log_model_checkpoints`): those read the file at once, so it is written before they hear of it.
+when a logger uploads checkpoint files as they are saved (`log_model` of Lightning's MLflow, W&B or LitLogger;
+`log_model_checkpoints` of Neptune's): those read the file at once, so it is written before they hear of it.
 """
 
 from collections.abc import Iterator
