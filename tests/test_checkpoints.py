@@ -337,7 +337,7 @@ def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_c
     monkeypatch.setattr(
         atomic_io.os,
         "replace",
-        lambda a, b: (written.append((threading.current_thread().name, Path(b).name)), replace(a, b)),
+        lambda *a, **k: (written.append((threading.current_thread().name, Path(a[1]).name)), replace(*a, **k)),
     )
     cfg = make_cfg(
         "model=autoencoder",
