@@ -3,9 +3,8 @@ outside SLURM's requeue). Checked without a host sync or a collective per step.
 
 Each step adds its loss to a running sum on the device (not finite once any loss was not). Every `every_n_steps`
 optimizer steps, at every epoch's end, before a checkpoint save (unless they just agreed on the same weights and
-losses) and at the end of fit, the ranks agree in one
-collective on four numbers (the losses' sum, a check of the weights, a signal, the last loss), and that is the only
-host sync of these checks. So:
+losses) and at the end of fit, the ranks agree in one collective on four numbers (the losses' sum, a check of the
+weights, a signal, the last loss), and that is the only host sync of these checks. So:
 - a run that diverged stops at the latest `every_n_steps` steps later, and never writes a checkpoint after it
   diverged: the last checkpoint saved stays the last good one. It says where it went wrong (the steps since the
   last agreement; the loss or the weights; the last finite loss), what to change, exits 2, and leaves

@@ -46,8 +46,8 @@ class ImageClassifier(L.LightningModule):
         self.monitor = monitor  # what a plateau scheduler watches: the run's monitor.metric
         self.criterion = nn.CrossEntropyLoss()
         # One metric object per split: their states must not mix (val runs inside the train epoch). They keep only
-        # the sums they report (project.models.metrics: about a third of torchmetrics' per-step cost); a non-finite loss
-        # stops the run (project.callbacks.checks), so the mean need not look for NaN, with a host sync per update.
+        # the sums they report (project.models.metrics: about a third of torchmetrics' per-step cost). The mean
+        # does not look for NaN, a host sync per update: a non-finite loss stops the run (project.callbacks.checks).
         self.train_loss, self.val_loss, self.test_loss = Mean(), Mean(), Mean()
         self.train_acc, self.val_acc, self.test_acc = Accuracy(), Accuracy(), Accuracy()
         self.val_acc_best = MaxMetric()

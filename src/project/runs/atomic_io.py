@@ -1,11 +1,11 @@
 """Checkpoints written so that a kill during a save never leaves a torn file where a good one was.
 
-Lightning writes a single-file checkpoint to a temporary file in $TMPDIR and moves it into place, without
-fsync: when /tmp is another filesystem the move is a copy that a kill can cut, and after a power loss the
-renamed file may be empty. Here the temporary file sits in the checkpoint's own directory (hidden, not
-`*.ckpt`, so no glob takes it for a checkpoint), is fsynced, renamed over the old one, and the directory is
-fsynced. Sharded checkpoints are swapped in whole: project.strategies.fsdp. A write that fails (a full or
-read-only disk) leaves the previous checkpoint as it was and ends the run in one line.
+Lightning writes a single-file checkpoint to a temporary file in $TMPDIR and moves it into place, without fsync:
+when /tmp is another filesystem the move is a copy that a kill can cut, and after a power loss the renamed file may
+be empty. Here the temporary file sits in the checkpoint's own directory (hidden, not `*.ckpt`, so no glob takes it
+for a checkpoint), is fsynced, renamed over the old one, and the directory is fsynced. Sharded checkpoints are
+swapped in whole: project.strategies.fsdp. A write that fails (a full or read-only disk) leaves the previous
+checkpoint as it was and ends the run in one line.
 
 The checkpoint callbacks' saves, and their removals of a replaced best file, are written in the background
 (`AtomicCheckpointIO.in_background`, used by project.callbacks.checkpoint): the checkpoint is serialized on the
@@ -14,9 +14,10 @@ while training goes on. At most two checkpoints wait in memory (the one being wr
 save, removal, load and the end of the stage (teardown) first waits for the writer, so files change in the order
 they were saved, and a failed write ends the run at that point with its one-line message. A signal's save and a
 SLURM requeue's are never in the background. The training thread still collects and serializes the state; what
-leaves it is the file I/O (the write, the fsyncs, the rename), which on a cluster's network filesystem is most of a
-save. A kill -9 during the write leaves the previous file, as it would during a write on the training thread. The
-cost: up to two copies of the checkpoint in memory until they are written.
+leaves it is the file I/O (the write, the fsyncs, the rename): a save alone holds it 1.3 ms instead of 3.8 ms for
+the MLP, 111 instead of 133 ms for ResNet-18, on this project's 2-core machine's local disk
+(benchmarks/per_call.py). A kill -9 during the write leaves the previous file, as it would during a write on the
+training thread. The cost: up to two copies of the checkpoint in memory until they are written.
 """
 
 import io

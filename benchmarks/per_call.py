@@ -1,0 +1,132 @@
+"""`make bench`: what three per-call costs of the training loop are, with Lightning's and the template's way.
+
+- `self.log` of a step value and of a metric object: Lightning's result collection with its own `_ResultMetric.to`
+  (a move to the device on every call) and with project.loggers.logged_values' (no move when already there);
+- a training step's metric updates: torchmetrics' MeanMetric and MulticlassAccuracy, and project.models.metrics'
+  Mean and Accuracy (a batch of 64, 10 classes);
+- a checkpoint save, as long as it holds the training thread: written there (fsync and rename included), and
+  handed to the writer thread (project.runs.atomic_io; the write itself is waited for outside the timing), for the
+  MLP 784-64-128-64 and for ResNet-18 (11M weights), each with Adam's two moments.
+Rounds interleaved. Writes benchmarks/results/per_call.json.
+"""
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+from timing import interleaved, summary, write_results
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from project.loggers import logged_values
+from project.models.metrics import Accuracy, Mean
+from project.models.mlp import MLP
+from project.models.resnet import ResNet18
+from project.runs.atomic_io import AtomicCheckpointIO
+
+
+def per_call_us(call: Callable[[], Any], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def logging(to: Any, calls: int) -> dict[str, Callable[[], float]]:
+    """self.log's core: `_ResultCollection.log` of a step value, and of a metric object, with `to` installed."""
+
+    def timed(metric: bool) -> float:
+        _ResultMetric.to = to  # type: ignore[method-assign]
+        results = _ResultCollection(training=True)
+        value: Any = MeanMetric() if metric else torch.tensor(0.5)
+        if metric:
+            value.update(torch.tensor(0.5))
+        log = partial(results.log, "training_step", "loss", value, on_step=not metric, on_epoch=metric, batch_size=64)
+        log()  # the first call registers the result object
+        return per_call_us(log, calls)
+
+    return {"step value": partial(timed, False), "metric object": partial(timed, True)}
+
+
+def metric_updates(calls: int) -> dict[str, Callable[[], float]]:
+    preds, target, loss = torch.randint(0, 10, (64,)), torch.randint(0, 10, (64,)), torch.tensor(0.5)
+    torchmetrics_own = (
+        MeanMetric(nan_strategy="disable"),
+        MulticlassAccuracy(10, average="micro", validate_args=False),
+    )
+
+    def timed(mean: Any, accuracy: Any) -> float:
+        return per_call_us(lambda: (mean.update(loss), accuracy.update(preds, target)), calls)
+
+    return {
+        "torchmetrics": partial(timed, *torchmetrics_own),
+        "project.models.metrics": partial(timed, Mean(), Accuracy()),
+    }
+
+
+def checkpoint(net: torch.nn.Module) -> dict[str, Any]:
+    weights = net.state_dict()
+    moments = {
+        k: {"exp_avg": v.clone(), "exp_avg_sq": v.clone(), "step": torch.tensor(1.0)} for k, v in weights.items()
+    }
+    return {"state_dict": weights, "optimizer_states": [{"state": moments}], "epoch": 1}
+
+
+def saves(folder: Path) -> dict[str, Callable[[], float]]:
+    io = AtomicCheckpointIO()
+    nets = {"MLP": MLP(hidden=[64, 128, 64]), "ResNet-18": ResNet18()}
+
+    def timed(state: dict[str, Any], target: Path, background: bool) -> float:
+        io.wait()
+        start = time.perf_counter()
+        if background:
+            with io.in_background(target):
+                io.save_checkpoint(state, target)
+        else:
+            io.save_checkpoint(state, target)
+        took = time.perf_counter() - start
+        io.wait()
+        return took * 1e6
+
+    found = {}
+    for name, net in nets.items():
+        state = checkpoint(net)
+        for background in (False, True):
+            how = "handed to the writer thread" if background else "written on the training thread"
+            found[f"{name}: {how}"] = partial(timed, state, folder / f"{name}.ckpt", background)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=500, help="log calls and metric updates per timing")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lightnings, folder = logged_values._lightnings_to, Path(tempfile.mkdtemp(prefix="bench-per-call-"))
+    groups = {
+        "self.log, µs a call": {
+            **{f"{k}, Lightning's move": v for k, v in logging(lightnings, args.calls).items()},
+            **{f"{k}, move skipped": v for k, v in logging(logged_values._to, args.calls).items()},
+        },
+        "metric updates, µs a training step": metric_updates(args.calls),
+        "checkpoint save, µs of the training thread": saves(folder),
+    }
+    results: dict[str, Any] = {"repeats": args.repeats, "calls": args.calls}
+    for group, configs in groups.items():
+        rows = {name: summary(values) for name, values in interleaved(configs, args.repeats, warmup=1).items()}
+        results[group] = rows
+        for name, row in rows.items():
+            print(f"{group:44s} {name:52s} {row['median']:10.1f}")
+    _ResultMetric.to = lightnings  # type: ignore[method-assign]
+    print(f"wrote {write_results('per_call', results)}")
+
+
+if __name__ == "__main__":
+    main()
