@@ -294,6 +294,35 @@ def test_a_failed_background_write_does_not_hide_the_error_that_ends_the_run(tmp
     assert "last.ckpt: the checkpoint could not be written" in caplog.text
 
 
+def test_an_epochs_last_save_does_not_wait_for_its_best_file_but_the_next_save_does(tmp_path, monkeypatch):
+    """The best file and last.ckpt are saved back to back at an epoch's end: the second is copied while the first
+    is still being written; a third save waits for the first, so no more than two copies are ever in memory."""
+    import threading
+
+    from project.runs import atomic_io
+
+    release, write = threading.Event(), atomic_io.write_atomically
+
+    def held(checkpoint, target):  # the best file's write takes as long as the test says
+        if target.name == "best.ckpt":
+            assert release.wait(30)
+        write(checkpoint, target)
+
+    monkeypatch.setattr(atomic_io, "write_atomically", held)
+    checkpoints = atomic_io.AtomicCheckpointIO()
+    best, last, later = (tmp_path / name for name in ("best.ckpt", "last.ckpt", "later.ckpt"))
+    for path in (best, last):
+        with checkpoints.in_background(path):
+            checkpoints.save_checkpoint({"w": torch.zeros(2)}, path)
+    assert not best.exists()  # last.ckpt's save returned while the best file was still being written
+    threading.Timer(0.2, release.set).start()
+    with checkpoints.in_background(later):
+        checkpoints.save_checkpoint({"w": torch.zeros(2)}, later)
+    assert best.is_file()  # the third save waited for the first write
+    checkpoints.teardown()
+    assert all(torch.load(p)["w"].tolist() == [0.0, 0.0] for p in (best, last, later))
+
+
 def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_path):
     """Lightning's MLflow/W&B loggers with log_model read the file when told of it: no background write then."""
     from types import SimpleNamespace
@@ -356,3 +385,27 @@ def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_c
     on_disk = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in on_disk if p.name != "last.ckpt"] and len(on_disk) == 2  # the top-1 best and last.ckpt
     assert all(torch.load(p, weights_only=True)["global_step"] > 0 for p in on_disk)
+
+
+def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg, tmp_path):
+    """BestCheckpoint skips Lightning's per-step look at the trainer unless every_n_train_steps (or
+    train_time_interval) asks for saves within epochs: then they are made, for a user's module too."""
+    from project.tasks.training import train
+
+    cfg = make_cfg(
+        "model=autoencoder",
+        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
+        "model._target_=user_models.LitAutoEncoder",
+        "monitor.metric=train_loss",
+        "monitor.mode=min",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        "+trainer.limit_train_batches=4",
+        "+callbacks.model_checkpoint.every_n_train_steps=2",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "callbacks.model_checkpoint.filename='step_{step}'",
+        "test=false",
+    )
+    train(cfg)
+    saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*.ckpt"))
+    assert saved == ["step_2.ckpt", "step_4.ckpt"], saved

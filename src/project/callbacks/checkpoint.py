@@ -40,6 +40,12 @@ class WrittenInBackground(ModelCheckpoint):
         with self._in_background(trainer, filepath):  # a replaced best file: after its successor is written
             super()._remove_checkpoint(trainer, filepath)
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        # Lightning's looks at the trainer's state at every step (about 10 µs) to decide what only
+        # every_n_train_steps or train_time_interval can make it do
+        if self._every_n_train_steps >= 1 or self._train_time_interval is not None:
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+
     def file_exists(self, filepath: Any, trainer: L.Trainer) -> bool:
         _wait(trainer)  # a file still being written exists: the version counter must not reuse its name
         return super().file_exists(filepath, trainer)
