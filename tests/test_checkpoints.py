@@ -323,6 +323,59 @@ def test_an_epochs_last_save_does_not_wait_for_its_best_file_but_the_next_save_d
     assert all(torch.load(p)["w"].tolist() == [0.0, 0.0] for p in (best, last, later))
 
 
+def test_after_a_failed_best_write_last_ckpt_is_left_as_it_was_and_the_run_ends(tmp_path, monkeypatch):
+    """An epoch's best file fails to write (a full disk) while its last.ckpt is being copied: last.ckpt must not be
+    replaced by one naming a best file that is not on disk. The old best and the old last.ckpt stay; the error ends
+    the run at last.ckpt's save when the failure is already known, else at the next save, never an epoch later."""
+    import concurrent.futures
+    import threading
+
+    from project.runs import atomic_io
+
+    write = atomic_io.write_atomically
+
+    def disk_full_for(name: str):
+        def written(checkpoint, target):
+            if target.name == name:
+                raise UserError(f"{target}: the checkpoint could not be written (No space left on device)")
+            write(checkpoint, target)
+
+        return written
+
+    for known_at_last_save in (True, False):
+        run = tmp_path / str(known_at_last_save)
+        run.mkdir()
+        checkpoints = atomic_io.AtomicCheckpointIO()
+        old_best, new_best, last, later = (run / n for n in ("epoch_0.ckpt", "epoch_1.ckpt", "last.ckpt", "e2.ckpt"))
+        checkpoints.save_checkpoint({"best": old_best.name}, old_best)
+        checkpoints.save_checkpoint({"best": old_best.name}, last)
+        release = threading.Event()
+        if known_at_last_save:
+            monkeypatch.setattr(atomic_io, "write_atomically", disk_full_for(new_best.name))
+        else:  # the best write fails only after last.ckpt's save has handed its copy over
+            fails = disk_full_for(new_best.name)
+            monkeypatch.setattr(atomic_io, "write_atomically", lambda c, t: (release.wait(30), fails(c, t)))
+        with checkpoints.in_background(new_best):
+            checkpoints.save_checkpoint({"best": new_best.name}, new_best)
+        with checkpoints.in_background(old_best):
+            checkpoints.remove_checkpoint(old_best)
+        if known_at_last_save:
+            assert not concurrent.futures.wait(checkpoints._pending, timeout=30).not_done
+            with pytest.raises(UserError, match="epoch_1.ckpt: the checkpoint could not be written"):
+                with checkpoints.in_background(last):
+                    checkpoints.save_checkpoint({"best": new_best.name}, last)
+        else:
+            with checkpoints.in_background(last):
+                checkpoints.save_checkpoint({"best": new_best.name}, last)
+            release.set()
+            with pytest.raises(UserError, match="epoch_1.ckpt: the checkpoint could not be written"):
+                with checkpoints.in_background(later):  # the next epoch's save
+                    checkpoints.save_checkpoint({"best": later.name}, later)
+        checkpoints.teardown()
+        assert torch.load(last)["best"] == old_best.name and old_best.is_file(), known_at_last_save
+        assert sorted(p.name for p in run.iterdir()) == ["epoch_0.ckpt", "last.ckpt"]
+
+
 def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_path):
     """Lightning's MLflow/W&B loggers with log_model read the file when told of it: no background write then."""
     from types import SimpleNamespace
