@@ -10,12 +10,20 @@ Three loops, in interleaved rounds, one fit of each per round, in this process:
   checkpoints, TensorBoard), as `python train.py` would run it, with benchmarks/epoch_timer.py added.
 The first epoch of every fit (set-up, sanity check, allocator warm-up) is left out.
 Target (issue 21): the template <= 1.10x the bare LightningModule on both nets, its features at their defaults.
+
+Each row also splits the epoch into its training steps (`train_median`: first batch to the last step's hooks) and
+what comes after them once an epoch (`epoch_end_ms`: validation, checkpoints, figures). On the MLP the template is
+also timed with each once-an-epoch feature turned off as the README says (what each costs), and on an epoch the
+size of MNIST's training split (the digits repeated 16 times: 56,000), where the once-an-epoch costs weigh 16
+times less against the steps.
 Writes benchmarks/results/step_loop.json and step_loop.png.
 """
 
 import argparse
 import copy
 import json
+import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,14 +36,31 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from plotting import bars, pyplot
+from repeated_digits import RepeatedDigits
 from timing import REPO, RESULTS, interleaved, summary, write_results
 from torch import nn
 
 from project.config import register
-from project.data.digits import DigitsDataModule
 from project.tasks.training import train
 
-WORKLOADS = {"lenet": ["model=lenet"], "mlp 784-64-128-64": ["model=mlp", "model.net.hidden=[64,128,64]"]}
+MLP = ["model=mlp", "model.net.hidden=[64,128,64]"]
+MNIST_SIZED = 16  # 16 x 3,500 = 56,000 training digits, MNIST's 55,000 after its validation split
+# What each of the template's once-an-epoch features costs: the template with it turned off, as the README says
+FEATURES_OFF = {
+    "template, no checkpoints": ["~callbacks.model_checkpoint", "~callbacks.last_checkpoint"],
+    "template, no figures": ["callbacks.tensorboard.images=false", "callbacks.tensorboard.confusion_matrix=false"],
+    "template, logger=none": ["logger=none"],
+    "template, no checkpoints, logger=none": [
+        "~callbacks.model_checkpoint",
+        "~callbacks.last_checkpoint",
+        "logger=none",
+    ],
+}
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "lenet": {"overrides": ["model=lenet"]},
+    "mlp 784-64-128-64": {"overrides": MLP, "features_off": FEATURES_OFF},
+    "mlp 784-64-128-64, MNIST-sized epoch": {"overrides": MLP, "repeat": MNIST_SIZED},
+}
 TARGET_TO_BARE = 1.10
 LR = 0.002
 
@@ -57,14 +82,14 @@ def compose_cfg(overrides: list[str], out: Path, epochs: int) -> DictConfig:
         )
 
 
-def splits() -> dict[str, Any]:
-    data = DigitsDataModule()
+def splits(repeat: int) -> dict[str, Any]:
+    data = RepeatedDigits(repeat)
     data.setup()
     return data.splits
 
 
-def hand_written(net: nn.Module, data: dict[str, Any], epochs: int, batch: int) -> list[float]:
-    """The loop everyone writes first; returns seconds per epoch (train, then validate)."""
+def hand_written(net: nn.Module, data: dict[str, Any], epochs: int, batch: int) -> list[tuple[float, float]]:
+    """The loop everyone writes first; returns (training steps, whole epoch) seconds per epoch."""
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     criterion = nn.CrossEntropyLoss()
@@ -79,13 +104,14 @@ def hand_written(net: nn.Module, data: dict[str, Any], epochs: int, batch: int) 
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+        trained = time.perf_counter() - start
         net.eval()
         correct = 0
         with torch.no_grad():
             for i in range(0, len(y_val), batch):
                 correct += int((net(x_val[i : i + batch]).argmax(1) == y_val[i : i + batch]).sum())
         scheduler.step()
-        times.append(time.perf_counter() - start)
+        times.append((trained, time.perf_counter() - start))
     return times
 
 
@@ -109,7 +135,7 @@ class BareModule(L.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)]
 
 
-def bare_lightning(net: nn.Module, epochs: int, batch: int, out: Path) -> list[float]:
+def bare_lightning(net: nn.Module, epochs: int, batch: int, repeat: int, out: Path) -> list[tuple[float, float]]:
     timer = EpochTimer(str(out / "bare.json"))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -121,34 +147,60 @@ def bare_lightning(net: nn.Module, epochs: int, batch: int, out: Path) -> list[f
         num_sanity_val_steps=0,
         callbacks=[timer],
     )
-    trainer.fit(BareModule(net, epochs), datamodule=DigitsDataModule(batch_size=batch))
-    return [e["epoch_s"] for e in timer.epochs]
+    trainer.fit(BareModule(net, epochs), datamodule=RepeatedDigits(repeat, batch_size=batch))
+    return [(e["train_s"], e["epoch_s"]) for e in timer.epochs]
 
 
-def template(cfg: DictConfig) -> list[float]:
+def template(cfg: DictConfig) -> list[tuple[float, float]]:
     train(cfg)
-    return [e["epoch_s"] for e in json.loads((Path(cfg.paths.output_dir) / "epochs.json").read_text())["epochs"]]
+    epochs = json.loads((Path(cfg.paths.output_dir) / "epochs.json").read_text())["epochs"]
+    return [(e["train_s"], e["epoch_s"]) for e in epochs]
 
 
-def measure(name: str, overrides: list[str], epochs: int, repeats: int, work: Path) -> dict[str, Any]:
+def measure(name: str, workload: dict[str, Any], epochs: int, repeats: int, work: Path) -> dict[str, Any]:
+    repeat = workload.get("repeat", 1)
+    overrides = workload["overrides"]
+    if repeat > 1:
+        overrides = [*overrides, "data._target_=repeated_digits.RepeatedDigits", f"+data.repeat={repeat}"]
     probe = compose_cfg(overrides, work / "probe", epochs)
     torch.manual_seed(0)
     net = instantiate(probe.model.net)
-    batch, data = int(probe.data.batch_size), splits()
-    rounds = iter(range(10**6))
+    batch, data = int(probe.data.batch_size), splits(repeat)
+    rounds, slug = iter(range(10**6)), re.sub("[^a-z0-9]+", "-", name)  # no commas in a Hydra override's path
+
+    def templated(extra: list[str]) -> list[tuple[float, float]]:
+        return template(compose_cfg([*overrides, *extra], work / f"{slug}-{next(rounds)}", epochs))
+
     loops = {
         "hand-written": lambda: hand_written(copy.deepcopy(net), data, epochs, batch),
-        "bare LightningModule": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, work),
-        "this template": lambda: template(compose_cfg(overrides, work / f"{name}-{next(rounds)}", epochs)),
+        "bare LightningModule": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, repeat, work),
+        "this template": lambda: templated([]),
     }
+    for variant, extra in workload.get("features_off", {}).items():
+        loops[variant] = lambda extra=extra: templated(extra)
     per_fit = interleaved(loops, repeats=repeats)  # each fit's first epoch (one-off costs) is dropped below
-    rows = {loop: summary([t for fit in fits for t in fit[1:]]) for loop, fits in per_fit.items()}
-    base, bare = rows["hand-written"]["median"], rows["bare LightningModule"]["median"]
+    rows = {}
+    for loop, fits in per_fit.items():
+        kept = [t for fit in fits for t in fit[1:]]
+        rows[loop] = summary([epoch for _, epoch in kept])
+        rows[loop]["train_median"] = statistics.median(train for train, _ in kept)
+        rows[loop]["epoch_end_ms"] = statistics.median(epoch - train for train, epoch in kept) * 1000
+    base, bare = rows["hand-written"], rows["bare LightningModule"]
     for loop, row in rows.items():
-        row["ratio_to_hand_written"] = row["median"] / base
-        row["ratio_to_bare"] = row["median"] / bare
-        print(f"{name:18s} {loop:22s} {row['median'] * 1000:8.1f} ms/epoch  x{row['ratio_to_bare']:.2f} bare")
-    return {"overrides": overrides, "batch_size": batch, "target_ratio_to_bare": TARGET_TO_BARE, "rows": rows}
+        row["ratio_to_hand_written"] = row["median"] / base["median"]
+        row["ratio_to_bare"] = row["median"] / bare["median"]
+        row["train_ratio_to_bare"] = row["train_median"] / bare["train_median"]
+        print(
+            f"{name:38s} {loop:38s} {row['median'] * 1000:8.1f} ms/epoch  x{row['ratio_to_bare']:.2f} bare"
+            f"  (steps x{row['train_ratio_to_bare']:.2f}, after them {row['epoch_end_ms']:.1f} ms)"
+        )
+    return {
+        "overrides": overrides,
+        "training_digits": 3500 * repeat,
+        "batch_size": batch,
+        "target_ratio_to_bare": TARGET_TO_BARE,
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -173,7 +225,10 @@ def main() -> None:
     }
     path = write_results("step_loop", results)
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(args.workloads), figsize=(6 * len(args.workloads), 4.5), squeeze=False)
+    widths = [max(3, len(found["rows"])) for found in results["workloads"].values()]
+    fig, axes = plt.subplots(
+        1, len(widths), figsize=(1.5 * sum(widths), 5), squeeze=False, gridspec_kw={"width_ratios": widths}
+    )
     for ax, (name, found) in zip(axes[0], results["workloads"].items()):
         target = ("target", found["target_ratio_to_bare"] * found["rows"]["bare LightningModule"]["median"])
         bars(found["rows"], RESULTS / "step_loop.png", name, "seconds per epoch (median, min-max)", target, ax=ax)
