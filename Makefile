@@ -5,9 +5,9 @@ BIN    := $(VENV)/bin
 
 .PHONY: install lock upgrade test test-fast lint bench bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
 
-install: $(BIN)/python  ## create .venv with exactly the versions in requirements.lock (hash-checked), then the project
+install: $(BIN)/python  ## create .venv with exactly the versions in requirements.lock (hash-checked, compiled to bytecode once: every process imports lightning), then the project
 	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' requirements.lock)"
-	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes requirements.lock
+	$(BIN)/uv pip sync --quiet --python $(BIN)/python --compile-bytecode --require-hashes requirements.lock
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 
 lock:  ## record what .venv holds (the versions make test just passed with) in requirements.lock, every platform

@@ -55,3 +55,13 @@ def test_make_knows_install_lock_and_upgrade():
     assert dry.returncode == 0, dry.stderr
     assert "--require-hashes requirements.lock" in dry.stdout and "--output-file requirements.lock" in dry.stdout
     assert Path(sys.executable).parent.joinpath("uv").is_file()
+
+
+def test_the_installed_packages_are_compiled_to_bytecode():
+    """Every process of a run, a sweep or the tests imports lightning (some 1,800 modules with torch's): compiled
+    by `make install`, not again in each process where $PYTHONDONTWRITEBYTECODE keeps Python from caching it."""
+    import importlib.util
+
+    for name in ("lightning.pytorch.trainer.trainer", "torchmetrics.metric", "hydra._internal.config_loader_impl"):
+        source = importlib.util.find_spec(name).origin
+        assert Path(importlib.util.cache_from_source(source)).is_file(), f"{source} has no bytecode: run make install"
