@@ -112,7 +112,7 @@ class ImageClassifier(L.LightningModule):
         self.log("val/acc", self.val_acc, prog_bar=True)
         if self.trainer.sanity_checking:  # a look at untrained (or just restored) weights: not a result
             return
-        self.val_acc_best(self.val_acc.compute())
+        self.val_acc_best.update(self.val_acc.compute())  # not its forward: no per-call value is wanted
         best = self.val_acc_best.compute()
         self.log("val/acc_best", best, sync_dist=True, prog_bar=True)
 
