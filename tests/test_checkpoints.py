@@ -376,6 +376,97 @@ def test_after_a_failed_best_write_last_ckpt_is_left_as_it_was_and_the_run_ends(
         assert sorted(p.name for p in run.iterdir()) == ["epoch_0.ckpt", "last.ckpt"]
 
 
+def test_ctrl_c_while_a_save_waits_for_the_writer_still_reports_a_later_failed_write(tmp_path, monkeypatch, caplog):
+    """Ctrl-C lands while a save waits for the best file's write, and the last.ckpt write after it fails on its own:
+    the run ends with the KeyboardInterrupt, and teardown still logs the failed write (nothing is dropped)."""
+    import signal
+    import threading
+
+    from project.runs import atomic_io
+
+    hold, write = threading.Event(), atomic_io.write_atomically
+
+    def written(checkpoint, target):
+        if target.name == "best.ckpt":
+            assert hold.wait(30)
+        if target.name == "last.ckpt":
+            raise UserError(f"{target}: the checkpoint could not be written (No space left on device)")
+        write(checkpoint, target)
+
+    monkeypatch.setattr(atomic_io, "write_atomically", written)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    checkpoints = atomic_io.AtomicCheckpointIO()
+    try:
+        for name in ("best.ckpt", "last.ckpt", "next.ckpt"):
+            if name == "next.ckpt":  # its save waits for best.ckpt's write: Ctrl-C then
+                main = threading.main_thread().ident
+                threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()
+            with checkpoints.in_background(tmp_path / name):
+                try:
+                    checkpoints.save_checkpoint({"w": torch.zeros(1)}, tmp_path / name)
+                except KeyboardInterrupt:
+                    hold.set()
+                    checkpoints.teardown()  # what Lightning does while the interrupt is on its way out
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert hold.is_set() and "last.ckpt: the checkpoint could not be written" in caplog.text
+    assert (tmp_path / "best.ckpt").is_file() and not (tmp_path / "next.ckpt").exists()
+
+
+def test_failed_writes_do_not_keep_their_snapshots_in_memory(tmp_path, monkeypatch):
+    """After a run ends on a failed background write, no serialized copy of the checkpoint stays referenced (an
+    in-process sweep or a notebook would keep it otherwise)."""
+    import gc
+    import io
+    import threading
+    import weakref
+    from types import SimpleNamespace
+
+    from project.runs import atomic_io
+
+    snapshots = []
+
+    class Tracked(io.BytesIO):
+        def __init__(self) -> None:
+            super().__init__()
+            snapshots.append(weakref.ref(self))
+
+    hold, write = threading.Event(), atomic_io.write_atomically
+    monkeypatch.setattr(atomic_io, "io", SimpleNamespace(BytesIO=Tracked))
+    monkeypatch.setattr(atomic_io, "write_atomically", lambda c, t: (hold.wait(30), write(c, t)))
+    checkpoints = atomic_io.AtomicCheckpointIO()
+    failing = Path("/proc/no/such/run")  # a full or read-only disk
+    for name in ("best.ckpt", "last.ckpt"):  # the best file fails only once last.ckpt is handed over too
+        with checkpoints.in_background(failing / name):
+            checkpoints.save_checkpoint({"w": torch.zeros(1000)}, failing / name)
+    hold.set()
+    with pytest.raises(UserError, match="best.ckpt: the checkpoint could not be written"):
+        with checkpoints.in_background(failing / "next.ckpt"):
+            checkpoints.save_checkpoint({"w": torch.zeros(1000)}, failing / "next.ckpt")
+    checkpoints.teardown()
+    gc.collect()
+    assert len(snapshots) == 2 and not [ref for ref in snapshots if ref() is not None]
+
+
+def test_a_replaced_best_file_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
+    from project.runs import atomic_io
+
+    def refused(self, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(atomic_io.TorchCheckpointIO, "remove_checkpoint", refused)
+    checkpoints = atomic_io.AtomicCheckpointIO()
+    old, new = tmp_path / "epoch_000.ckpt", tmp_path / "epoch_001.ckpt"
+    checkpoints.save_checkpoint({"w": torch.zeros(1)}, old)
+    with checkpoints.in_background(new):
+        checkpoints.save_checkpoint({"w": torch.ones(1)}, new)
+    with checkpoints.in_background(old):
+        checkpoints.remove_checkpoint(old)
+    with pytest.raises(UserError, match=r"epoch_000.ckpt: the checkpoint a better one replaced could not be removed"):
+        checkpoints.teardown()
+    assert old.is_file() and torch.load(new)["w"].tolist() == [1.0]
+
+
 def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_path):
     """Lightning's MLflow/W&B loggers with log_model read the file when told of it: no background write then."""
     from types import SimpleNamespace

@@ -66,6 +66,7 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
         os.replace(partial, target)
         fsync_dir(target.parent)
     except OSError as e:
+        del checkpoint  # a snapshot is not kept alive by the error's traceback
         raise UserError(
             f"{target}: the checkpoint could not be written ({e.strerror or e}); the previous one is unchanged. Free "
             "space, or write elsewhere: callbacks.model_checkpoint.dirpath=<a folder with room>"
@@ -117,21 +118,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def wait(self) -> None:
         """Until every save and removal handed to the writer thread is done; the first failure is raised here."""
-        pending, self._pending = self._pending, ()
-        for future in pending:
-            future.result()
+        self._settle(len(self._pending))
 
     def _wait_for_older_writes(self) -> None:
         """Until the newest write handed over (and whatever came before it) is the only one left: the best file of
         an epoch may still be written while its last.ckpt is copied."""
-        newest = self._pending.index(self._newest_write) if self._newest_write in self._pending else 0
-        older, self._pending = self._pending[:newest], self._pending[newest:]
-        try:
-            for future in older:
-                future.result()
-        except BaseException:
-            self._pending = ()  # the newer ones only repeat this failure (_write_unless_failed): raised once
-            raise
+        self._settle(self._pending.index(self._newest_write) if self._newest_write in self._pending else 0)
+
+    def _settle(self, jobs: int) -> None:
+        """Waits for the first `jobs` jobs handed over, in order. A failure is raised once: the jobs after it only
+        repeat it (_write_unless_failed) or skip (_remove_unless_failed). A Ctrl-C while waiting keeps the rest for
+        teardown, which still reports their failure."""
+        for _ in range(jobs):
+            try:
+                self._pending[0].result()
+            except Exception:
+                self._pending, self._newest_write = (), None  # nothing holds the failed snapshots any more
+                raise
+            self._pending = self._pending[1:]
+        if not self._pending:
+            self._newest_write = None
 
     def _submit(self, work: Callable[..., None], *args: Any, write: bool = False) -> None:
         if self._writer is None:
@@ -171,8 +177,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def _write_unless_failed(before: tuple[Future, ...], checkpoint: Any, path: Path) -> None:
         """Nothing is written after a write that failed: last.ckpt must not name a best file that is not on disk.
         The failure is raised again, so the run ends at the next save or at teardown."""
-        for future in before:  # done already: the one writer thread runs them in order
-            future.result()
+        failed = next((e for e in (future.exception() for future in before) if e is not None), None)  # all done
+        if failed is not None:
+            del checkpoint  # not kept alive by the traceback of the error raised again
+            raise failed
         write_atomically(checkpoint, path)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -184,7 +192,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def _remove_unless_failed(self, before: tuple[Future, ...], path: Any) -> None:
         """A replaced file goes only once what replaces it is written (a full disk keeps the old best file)."""
         if not any(future.exception() for future in before):
-            super().remove_checkpoint(path)
+            try:
+                super().remove_checkpoint(path)
+            except OSError as e:
+                raise UserError(
+                    f"{path}: the checkpoint a better one replaced could not be removed ({e.strerror or e}); the new "
+                    "one is written. Remove it by hand, and let this run write in its checkpoints folder"
+                ) from e
 
     def teardown(self) -> None:
         """Waits for the writer. While another error ends the run (a divergence, Ctrl-C), a failed write is logged
