@@ -36,6 +36,7 @@ def measure(workers: int) -> dict[str, Any]:
     outcome = OUTCOME.findall(proc.stdout)
     return {
         "date": date.today().isoformat(),
+        "machine": machine(),  # the project's 2-core machines are not all alike (AMD EPYC, Intel Xeon)
         "commit": commit(),
         "command": " ".join(["pytest", *command[3:]]),
         "exit_code": proc.returncode,
