@@ -181,6 +181,13 @@ def test_eval_py_refuses_a_hostile_checkpoint_and_touches_nothing(tmp_path, part
     assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("*.yaml"))
 
 
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_ckpt_path_is_named_not_taken_for_the_current_folder(empty):
+    """eval.py, export.py and predict.py read the checkpoint through check_readable (train.py checks first)."""
+    with pytest.raises(UserError, match=r"^ckpt_path is empty \(an unset shell variable\?\)"):
+        check_readable(empty)
+
+
 def test_a_directory_without_shard_metadata_is_not_a_checkpoint(tmp_path):
     with pytest.raises(UserError, match="not a sharded checkpoint"):
         check_readable(str(tmp_path))

@@ -36,6 +36,7 @@ BAD_INPUTS = [
     ("train.py", ["seed=-1"], "seed=-1: a seed is an integer from 0 to 4294967295"),
     ("train.py", ["paths.log_dir=/proc/x"], "cannot create a run directory under /proc/x/train/runs"),
     ("train.py", ["ckpt_path=/no/such.ckpt"], "ckpt_path=/no/such.ckpt: no such file"),
+    ("train.py", ["ckpt_path="], "ckpt_path is empty (an unset shell variable?)"),
     ("eval.py", [], "ckpt_path: required; pass the checkpoint to use"),
     (
         "train.py",

@@ -89,6 +89,40 @@ def test_nodes_started_by_hand_share_the_directory_the_user_names(tmp_path):
     assert "earlier run" not in node_1.stderr and "gave up" in node_1.stderr, node_1.stderr[-2000:]
 
 
+def test_two_runs_started_at_once_into_one_named_directory_cannot_both_have_it(trained, tmp_path):
+    """Both find the directory empty (the guard's check), then both claim it: exactly one gets it, the other is
+    refused in one line. A run the guard let in holds the claim (a later run is refused for it too)."""
+    import multiprocessing
+
+    from project.errors import UserError
+    from project.runs.dirs import CLAIM, claim, earlier_files
+
+    assert (trained[1] / CLAIM).is_file()
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(2), context.Queue()
+
+    def start() -> None:
+        empty = not earlier_files(tmp_path)
+        barrier.wait()
+        try:
+            claim(tmp_path, "hydra.run.dir")
+            results.put((empty, "claimed"))
+        except UserError as e:
+            results.put((empty, str(e)))
+
+    starts = [context.Process(target=start) for _ in range(2)]
+    for process in starts:
+        process.start()
+    outcomes = sorted((results.get(timeout=60) for _ in starts), key=lambda o: o[1] != "claimed")
+    for process in starts:
+        process.join(30)
+    assert [empty for empty, _ in outcomes] == [True, True]
+    assert outcomes[0][1] == "claimed" and outcomes[1][1] == (
+        f"hydra.run.dir={tmp_path} is being used by another run started at the same time; name a new directory, "
+        "or leave hydra.run.dir out for a fresh one"
+    )
+
+
 def test_a_failed_start_leaves_no_run_directory_even_one_the_user_named(trained):
     work, run_dir = trained
     best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))

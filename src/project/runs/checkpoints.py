@@ -32,8 +32,18 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir() and (path / SHARDED_METADATA).is_file()
 
 
+def refuse_empty(path: Any) -> None:
+    """`ckpt_path=` or `ckpt_path=$UNSET`: Path("") is the current folder, which would mislead every later check."""
+    if path is not None and not str(path).strip():
+        raise UserError(
+            "ckpt_path is empty (an unset shell variable?): pass the path of a .ckpt file (e.g. "
+            "<run>/checkpoints/last.ckpt), or leave ckpt_path out"
+        )
+
+
 def check_readable(path: str) -> Path:
     """Fail before any work if `path` is missing or torn (a kill during a save can truncate it)."""
+    refuse_empty(path)
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(

@@ -79,13 +79,28 @@ def holds_checkpoints(run_dir: Path) -> bool:
     return any((run_dir / "checkpoints").glob("*.ckpt")) or any(run_dir.glob("hpc_ckpt_*.ckpt"))
 
 
+CLAIM = ".project_run"  # made with O_EXCL in a run dir the user named: of two runs started at once, one gets it
+
+
+def claim(run_dir: Path, key: str) -> None:
+    """This run's directory, atomically: two runs that both found it empty cannot both write there."""
+    try:
+        os.close(os.open(run_dir / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        raise UserError(
+            f"{key}={run_dir} is being used by another run started at the same time; name a new directory, or "
+            f"leave {key} out for a fresh one"
+        ) from None
+
+
 def remove_if_unused(run_dir: Path) -> None:
     """Remove the run dir of a run that failed before doing anything, if this process made it (not a dir the
     user named, not a shared torchrun/srun dir, not a sweep job's dir) and it holds only Hydra's bookkeeping."""
     if str(run_dir.resolve()) not in CREATED or not run_dir.is_dir():
         return
     for path in run_dir.rglob("*"):
-        if path.is_file() and ".hydra" not in path.relative_to(run_dir).parts and path.suffix != ".log":
+        bookkeeping = ".hydra" in path.relative_to(run_dir).parts or path.suffix == ".log" or path.name == CLAIM
+        if path.is_file() and not bookkeeping:
             return
     shutil.rmtree(run_dir, ignore_errors=True)
     for parent in run_dir.resolve().parents:  # the folders this process made for it, if nothing else is there

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.entry import full_error
 from project.errors import UserError, exit_with, user_error_in
 from project.launch import environment
-from project.runs.dirs import CREATED, earlier_files, holds_checkpoints
+from project.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -62,9 +62,13 @@ def _directory(config: DictConfig, key: str) -> Path:
     if inside is not None:
         raise UserError(f"{key}={path} is inside the directory of another run ({inside}); choose a new directory")
     try:
-        missing = [p for p in (path, *path.parents) if not p.exists()]
+        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
+            try:
+                folder.mkdir()
+                CREATED.add(str(folder.resolve()))  # a failed start removes what it made itself (hydra.run.dir=new)
+            except FileExistsError:  # made meanwhile by another run: not ours to remove
+                pass
         path.mkdir(parents=True, exist_ok=True)
-        CREATED.update(str(p.resolve()) for p in missing)  # a failed start removes what it made (hydra.run.dir=new)
     except OSError as e:
         raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
     return path
@@ -91,6 +95,8 @@ class RunDirGuard(Callback):
                     f"({found[0].relative_to(run_dir)}, ...); name a new directory, or leave hydra.run.dir out for a "
                     "fresh one"
                 )
+            if not shared:
+                claim(run_dir, "hydra.run.dir")
         except Exception as e:  # a UserError, or one raised inside a resolver, which OmegaConf wraps
             _stop_on(e)
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from project.config.schema import check_config
 from project.errors import UserError
+from project.runs import checkpoints
 from project.runs.atomic_io import write_file
 from project.runs.dirs import make_output_dirs
 from project.runs.results import write_text
@@ -33,6 +34,7 @@ def target_path(cfg: DictConfig) -> Path:
     """`output`, or beside the checkpoint: `epoch_007.ckpt` (file or sharded directory) -> `epoch_007.onnx`."""
     if cfg.output:
         return Path(cfg.output).expanduser()
+    checkpoints.refuse_empty(cfg.ckpt_path)
     ckpt = Path(cfg.ckpt_path).expanduser()
     return ckpt.with_name(ckpt.stem + SUFFIXES[cfg.format])
 

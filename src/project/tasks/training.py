@@ -31,6 +31,7 @@ def train(cfg: DictConfig) -> float | None:
     build.check(cfg)
     if cfg.tune:
         tune.check(cfg)
+    checkpoints.refuse_empty(cfg.ckpt_path)
     output_dir = Path(cfg.paths.output_dir)
     resume.check_output_dir(output_dir, environment.restarted())
     make_output_dirs(cfg)
