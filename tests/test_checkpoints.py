@@ -1,6 +1,7 @@
 """Checkpoints are data: a checkpoint from someone else cannot make loading it run code, and bad files fail by
 name. Each hostile checkpoint below tries to write a file (or truncate one); none may succeed."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -560,3 +561,43 @@ def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg
     train(cfg)
     saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*.ckpt"))
     assert saved == ["step_2.ckpt", "step_4.ckpt"], saved
+
+
+def test_a_moved_run_folder_tests_the_best_checkpoint_beside_the_one_it_resumed_from(tmp_path):
+    """A finished run moved elsewhere and resumed (nothing left to train) still records its best file at the old
+    place: the same file beside ckpt_path is tested; with neither, one line names the way out."""
+    from project.runs.resume import best_to_test
+
+    old, moved = tmp_path / "run" / "checkpoints", tmp_path / "moved" / "checkpoints"
+    moved.mkdir(parents=True)
+    (moved / "epoch_001.ckpt").write_bytes(b"best")
+    recorded, resumed = str(old / "epoch_001.ckpt"), str(moved / "last.ckpt")
+    assert best_to_test(recorded, resumed) == str(moved / "epoch_001.ckpt")
+    assert best_to_test(str(moved / "epoch_001.ckpt"), resumed) == str(moved / "epoch_001.ckpt")
+    assert best_to_test("", resumed) == "" and best_to_test(recorded, None) == recorded  # a fresh run: Lightning's
+    (moved / "epoch_001.ckpt").unlink()
+    with pytest.raises(UserError, match=r"names .*epoch_001.ckpt as its best checkpoint, which is not there any more"):
+        best_to_test(recorded, resumed)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("model.optimizer.lr=0.05", "model.optimizer.lr=0.002, this run asks for model.optimizer.lr=0.05"),
+        ("model/optimizer=sgd", "model.optimizer._target_=torch.optim.Adam, this run asks for "),
+        ("model/scheduler=none", "model.scheduler={'_target_': 'torch.optim.lr_scheduler.CosineAnnealingLR'"),
+    ],
+)
+def test_resuming_with_other_optimizer_settings_is_refused_not_ignored(make_cfg, tmp_path, override, said):
+    """Lightning restores the optimizer and its schedule as saved: a new learning rate would be silently ignored
+    (and recorded in the new checkpoints), another optimizer fails deep in the restore with a KeyError."""
+    from omegaconf import OmegaConf
+
+    from project.runs.resume import check_same_model
+
+    saved = OmegaConf.to_container(make_cfg("model=mlp"), resolve=True)
+    ckpt = {"hyper_parameters": saved, "epoch": 1, "global_step": 9, "state_dict": {}, "loops": {}}
+    ckpt["optimizer_states"] = [{"state": {}, "param_groups": []}]
+    check_same_model("last.ckpt", ckpt, make_cfg("model=mlp", "trainer.max_epochs=9").model)  # T_max may follow
+    with pytest.raises(UserError, match=re.escape(f"ckpt_path=last.ckpt was trained with {said}")):
+        check_same_model("last.ckpt", ckpt, make_cfg("model=mlp", override).model)

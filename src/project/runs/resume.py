@@ -57,6 +57,21 @@ def resume_point(run_dir: Path, restarted: bool, ckpt_path: str | None) -> str |
     return ckpt_path
 
 
+def best_to_test(best: str, ckpt_path: str | None) -> str:
+    """The best checkpoint a resumed run records is where it was written. A run folder moved or copied since
+    (to scratch, off a cluster) has it beside the checkpoint it resumed from."""
+    if not best or not ckpt_path or Path(best).exists():
+        return best
+    beside = Path(ckpt_path).expanduser().parent / Path(best).name
+    if beside.exists():
+        log.info("The best checkpoint %s is not there any more; testing %s, beside ckpt_path", best, beside)
+        return str(beside)
+    raise UserError(
+        f"ckpt_path={ckpt_path} names {best} as its best checkpoint, which is not there any more (nor beside it): "
+        "test another checkpoint with eval.py ckpt_path=<file>, or add test=false"
+    )
+
+
 def schedule_length(path: str, ckpt: dict, model_cfg: Any, stretch: bool) -> int | None:
     """The new length to stretch a restored schedule to, or None to restore it as saved. A cosine schedule
     keeps the T_max it was started with: resuming with more epochs would train them past its end, so without
@@ -94,3 +109,22 @@ def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
                 f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
                 f"model.{key}={current.get(key)}: resume with the checkpoint's model config"
             )
+    # Lightning restores the optimizer and scheduler states as saved (learning rate included): a changed setting
+    # would be ignored while the new checkpoints recorded it. T_max follows max_epochs: schedule_length's to judge.
+    for group in ("optimizer", "scheduler"):
+        saved, wanted = (_flat(node.get(group), f"model.{group}") for node in (config["model"], current))
+        changed = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k) and k[-6:] != ".T_max"]
+        if changed:
+            key = changed[0] if changed[0] in saved and changed[0] in wanted else f"model.{group}"
+            was, now = saved.get(key, config["model"].get(group)), wanted.get(key, current.get(group))
+            raise UserError(
+                f"ckpt_path={path} was trained with {key}={was}, this run asks for {key}={now}: a resume restores the "
+                "optimizer and its schedule as they were saved, it cannot take other settings. Resume with the "
+                "checkpoint's, or start a new run"
+            )
+
+
+def _flat(node: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    return {key: value for name, child in node.items() for key, value in _flat(child, f"{prefix}.{name}").items()}

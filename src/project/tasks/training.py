@@ -93,6 +93,7 @@ def train(cfg: DictConfig) -> float | None:
         metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json", extra=found))
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if cfg.train and trainer.checkpoint_callback else ""
+        best = resume.best_to_test(best, ckpt_path)
         if cfg.train and not best:
             log.warning("No checkpoint was saved; testing the weights as they are after training.")
         trainer.test(model, datamodule=datamodule, ckpt_path=best or (None if cfg.train else ckpt_path))
