@@ -67,9 +67,10 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
         fsync_dir(target.parent)
     except OSError as e:
         del checkpoint  # a snapshot is not kept alive by the error's traceback
+        kept = "the previous one is unchanged" if target.exists() else "nothing was written there"
         raise UserError(
-            f"{target}: the checkpoint could not be written ({e.strerror or e}); the previous one is unchanged. Free "
-            "space, or write elsewhere: callbacks.model_checkpoint.dirpath=<a folder with room>"
+            f"{target}: the checkpoint could not be written ({e.strerror or e}); {kept}. Make room or write elsewhere: "
+            "paths.output_dir, or callbacks.model_checkpoint.dirpath and callbacks.last_checkpoint.dirpath"
         ) from e
     finally:
         partial.unlink(missing_ok=True)
