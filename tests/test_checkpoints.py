@@ -601,3 +601,23 @@ def test_resuming_with_other_optimizer_settings_is_refused_not_ignored(make_cfg,
     check_same_model("last.ckpt", ckpt, make_cfg("model=mlp", "trainer.max_epochs=9").model)  # T_max may follow
     with pytest.raises(UserError, match=re.escape(f"ckpt_path=last.ckpt was trained with {said}")):
         check_same_model("last.ckpt", ckpt, make_cfg("model=mlp", override).model)
+
+
+def test_a_checkpoint_folder_shared_with_another_run_is_refused_before_it_is_overwritten(tmp_path):
+    """`callbacks.*.dirpath` moved out of the run dir, to a folder that holds another run's checkpoints: this run's
+    last.ckpt would silently replace that run's. A restarted job (its own files) goes on."""
+    from omegaconf import OmegaConf
+
+    from project.runs.resume import check_checkpoint_dirs
+
+    shared = tmp_path / "shared"
+    callbacks = OmegaConf.create({"model_checkpoint": {"dirpath": str(shared)}, "last_checkpoint": {"dirpath": None}})
+    check_checkpoint_dirs(callbacks, restarted=False)  # not there yet: made at start
+    shared.mkdir()
+    check_checkpoint_dirs(callbacks, restarted=False)  # empty
+    for name in ("epoch_001.ckpt", "last.ckpt"):
+        (shared / name).write_bytes(b"another run's")
+    with pytest.raises(UserError, match=re.escape(f"callbacks.model_checkpoint.dirpath={shared} already holds")) as e:
+        check_checkpoint_dirs(callbacks, restarted=False)
+    assert str(e.value).endswith(f"continue that run with ckpt_path={shared / 'last.ckpt'}")
+    check_checkpoint_dirs(callbacks, restarted=True)

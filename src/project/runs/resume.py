@@ -47,6 +47,24 @@ def check_output_dir(output_dir: Path, restarted: bool) -> None:
         )
 
 
+def check_checkpoint_dirs(callbacks: Any, restarted: bool) -> None:
+    """A checkpoint callback's `dirpath` moved out of the run dir (a shared folder) must not hold another run's
+    checkpoints: this run's last.ckpt would replace that run's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if restarted or (HydraConfig.initialized() and HydraConfig.get().output_subdir is None):
+        return
+    for name, node in (callbacks or {}).items():
+        dirpath = node.get("dirpath") if node is not None and hasattr(node, "get") else None
+        found = sorted(Path(str(dirpath)).expanduser().glob("*.ckpt")) if dirpath else []
+        if found:
+            last = next((path for path in found if path.name == "last.ckpt"), found[0])
+            raise UserError(
+                f"callbacks.{name}.dirpath={dirpath} already holds checkpoints of another run ({found[0].name}, ...): "
+                f"this run's would replace them. Name an empty folder, or continue that run with ckpt_path={last}"
+            )
+
+
 def resume_point(run_dir: Path, restarted: bool, ckpt_path: str | None) -> str | None:
     if restarted:
         own = newest_checkpoint(run_dir)

@@ -34,6 +34,7 @@ def train(cfg: DictConfig) -> float | None:
     checkpoints.refuse_empty(cfg.ckpt_path)
     output_dir = Path(cfg.paths.output_dir)
     resume.check_output_dir(output_dir, environment.restarted())
+    resume.check_checkpoint_dirs(cfg.callbacks, environment.restarted())
     make_output_dirs(cfg)
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
