@@ -33,27 +33,20 @@ def newest_checkpoint(run_dir: Path) -> str | None:
     return None
 
 
-def check_output_dir(output_dir: Path, restarted: bool) -> None:
-    """Where this run writes must not hold another run's checkpoints (`paths.output_dir=<an earlier run>`
-    would overwrite its last.ckpt). The guard checks hydra.run.dir before Hydra writes; this checks where the
-    trainer writes. Ranks that Lightning or a sweep job started share a directory already checked."""
-    from hydra.core.hydra_config import HydraConfig
-
-    joining = HydraConfig.initialized() and HydraConfig.get().output_subdir is None
-    if not restarted and not joining and holds_checkpoints(output_dir):
-        raise UserError(
-            f"paths.output_dir={output_dir} already holds checkpoints of an earlier run: to continue it pass "
-            f"ckpt_path={output_dir / 'checkpoints' / 'last.ckpt'}; leave paths.output_dir to Hydra for a new run"
-        )
-
-
-def check_checkpoint_dirs(callbacks: Any, restarted: bool) -> None:
-    """A checkpoint callback's `dirpath` moved out of the run dir (a shared folder) must not hold another run's
-    checkpoints: this run's last.ckpt would replace that run's."""
+def check_output_dirs(output_dir: Path, callbacks: Any, restarted: bool) -> None:
+    """Where this run writes checkpoints must not hold another run's: `paths.output_dir=<an earlier run>`, or a
+    checkpoint callback's `dirpath` moved to a shared folder, would overwrite its last.ckpt. The guard checks
+    hydra.run.dir before Hydra writes; this checks where the trainer writes. A restarted job continues its own;
+    ranks that Lightning or a sweep job started share a directory already checked."""
     from hydra.core.hydra_config import HydraConfig
 
     if restarted or (HydraConfig.initialized() and HydraConfig.get().output_subdir is None):
         return
+    if holds_checkpoints(output_dir):
+        raise UserError(
+            f"paths.output_dir={output_dir} already holds checkpoints of an earlier run: to continue it pass "
+            f"ckpt_path={output_dir / 'checkpoints' / 'last.ckpt'}; leave paths.output_dir to Hydra for a new run"
+        )
     for name, node in (callbacks or {}).items():
         dirpath = node.get("dirpath") if node is not None and hasattr(node, "get") else None
         found = sorted(Path(str(dirpath)).expanduser().glob("*.ckpt")) if dirpath else []
@@ -131,7 +124,9 @@ def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
     # would be ignored while the new checkpoints recorded it. T_max follows max_epochs: schedule_length's to judge.
     for group in ("optimizer", "scheduler"):
         saved, wanted = (_flat(node.get(group), f"model.{group}") for node in (config["model"], current))
-        changed = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k) and k[-6:] != ".T_max"]
+        changed = [
+            k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k) and not k.endswith(".T_max")
+        ]
         if changed:
             key = changed[0] if changed[0] in saved and changed[0] in wanted else f"model.{group}"
             was, now = saved.get(key, config["model"].get(group)), wanted.get(key, current.get(group))
