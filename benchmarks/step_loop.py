@@ -5,7 +5,9 @@ digits' 3,500 training and 500 validation digits, batch 64, reshuffled each epoc
 
 Three loops, in interleaved rounds, one fit of each per round, in this process:
 - hand-written: plain PyTorch, nothing but the step and a validation pass;
-- bare LightningModule: the same step in Lightning, with no logger, no callbacks, no progress bar, no metrics;
+- bare LightningModule: the same step in Lightning, with no logger, no callbacks, no progress bar, no metrics, and
+  Lightning's NVML-based CUDA check, which without a GPU costs every optimizer step a failed library lookup (also
+  timed without it: "bare, no NVML check", what the template sets when no GPU is visible);
 - this template: `project.tasks.training.train` on the composed config (metrics, logging, progress bar,
   checkpoints, TensorBoard), as `python train.py` would run it, with benchmarks/epoch_timer.py added.
 The first epoch of every fit (set-up, sanity check, allocator warm-up) is left out.
@@ -22,6 +24,7 @@ Writes benchmarks/results/step_loop.json and step_loop.png.
 import argparse
 import copy
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -63,6 +66,18 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 TARGET_TO_BARE = 1.10
 LR = 0.002
+# Importing Lightning sets this, and then every torch.cuda.is_available() asks NVML; without a GPU torch's optimizers
+# then look for the NVML library on every step. The template turns that off when no GPU is visible
+# (project.launch.devices), in this process too: each loop gets what its user would have.
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def nvml_check(on: bool | None) -> None:
+    """As Lightning leaves it (True), as the template sets it without a GPU (False), or unset (no Lightning)."""
+    if on is None:
+        os.environ.pop(NVML_CHECK, None)
+    else:
+        os.environ[NVML_CHECK] = "1" if on else "0"
 
 
 def compose_cfg(overrides: list[str], out: Path, epochs: int) -> DictConfig:
@@ -90,6 +105,7 @@ def splits(repeat: int) -> dict[str, Any]:
 
 def hand_written(net: nn.Module, data: dict[str, Any], epochs: int, batch: int) -> list[tuple[float, float]]:
     """The loop everyone writes first; returns (training steps, whole epoch) seconds per epoch."""
+    nvml_check(None)  # no Lightning imported
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     criterion = nn.CrossEntropyLoss()
@@ -135,7 +151,10 @@ class BareModule(L.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)]
 
 
-def bare_lightning(net: nn.Module, epochs: int, batch: int, repeat: int, out: Path) -> list[tuple[float, float]]:
+def bare_lightning(
+    net: nn.Module, epochs: int, batch: int, repeat: int, out: Path, nvml: bool = True
+) -> list[tuple[float, float]]:
+    nvml_check(nvml)
     timer = EpochTimer(str(out / "bare.json"))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -152,6 +171,7 @@ def bare_lightning(net: nn.Module, epochs: int, batch: int, repeat: int, out: Pa
 
 
 def template(cfg: DictConfig) -> list[tuple[float, float]]:
+    nvml_check(True)  # as importing Lightning leaves it; the template's trainer set-up decides
     train(cfg)
     epochs = json.loads((Path(cfg.paths.output_dir) / "epochs.json").read_text())["epochs"]
     return [(e["train_s"], e["epoch_s"]) for e in epochs]
@@ -174,6 +194,7 @@ def measure(name: str, workload: dict[str, Any], epochs: int, repeats: int, work
     loops = {
         "hand-written": lambda: hand_written(copy.deepcopy(net), data, epochs, batch),
         "bare LightningModule": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, repeat, work),
+        "bare, no NVML check": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, repeat, work, nvml=False),
         "this template": lambda: templated([]),
     }
     for variant, extra in workload.get("features_off", {}).items():

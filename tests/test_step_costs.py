@@ -92,3 +92,47 @@ def test_weights_changed_in_place_since_the_agreement_are_agreed_on_again():
     with torch.no_grad():
         module.weight.mul_(2)
     assert not checks._agreed_on_this(trainer, module)
+
+
+def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(make_cfg, monkeypatch):
+    """Lightning makes every torch.cuda.is_available() ask NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1, set when it is
+    imported), and torch's optimizers ask on every step: without a GPU nothing caches the answer, and each step tried
+    to load the NVML library again (40-200 µs a step here). A user's own LightningModule, fitted through train()."""
+    import torch
+    from lightning.pytorch import Callback
+
+    from project.tasks.training import train
+
+    if torch.cuda.device_count():
+        pytest.skip("a GPU is visible: the NVML check answers once CUDA is initialized")
+    looked: list[int] = []
+    original = torch.cuda._raw_device_count_nvml
+
+    class Count(Callback):
+        def on_train_start(self, trainer, pl_module):
+            monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: looked.append(1) or original())
+
+        def on_train_end(self, trainer, pl_module):
+            monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", original)
+
+    monkeypatch.setattr("project.build._how_a_run_ends", _with(Count()))
+    cfg = make_cfg(
+        "model=autoencoder",
+        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
+        "model._target_=user_models.LitAutoEncoder",
+        "monitor.metric=train_loss",
+        "monitor.mode=min",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        "+trainer.limit_train_batches=6",
+        "test=false",
+    )
+    train(cfg)
+    assert looked == []
+
+
+def _with(extra):
+    import project.build
+
+    original = project.build._how_a_run_ends
+    return lambda *args: [*original(*args), extra]

@@ -18,7 +18,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from project.errors import UserError
-from project.launch import processes
+from project.launch import devices, processes
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ def trainer(
     _check_processes(built, launch)
     skip_unused_hooks(built.callbacks)  # with the ones Lightning added (its progress bar, model summary)
     skip_needless_moves()  # self.log no longer moves its result object to where it already is
+    devices.answer_cuda_checks_without_nvml()  # no GPU: no NVML lookup in every optimizer step
     return built
 
 

@@ -49,6 +49,25 @@ def default_choice() -> str:
     return f"{type(trainer.accelerator).__name__} on {trainer.strategy.root_device}"
 
 
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def answer_cuda_checks_without_nvml() -> None:
+    """On a machine without a visible GPU, let torch.cuda.is_available() answer from the CUDA runtime's count
+    (cached by torch) rather than from NVML.
+
+    Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 when it is imported, so that looking for GPUs does not initialize
+    CUDA before processes are forked. torch caches NVML's answer only once CUDA is initialized, which never happens
+    without a GPU, so every is_available() tries to load the NVML library again, and torch's optimizers call it on
+    every step (40-200 µs a step on this project's 2-core machine; tests/test_step_costs.py). With no GPU visible
+    there is nothing for the runtime's count to initialize. With one, the setting is left as Lightning made it.
+    """
+    import torch
+
+    if os.environ.get(NVML_CHECK) == "1" and torch.cuda.device_count() == 0:
+        os.environ[NVML_CHECK] = "0"
+
+
 def main() -> None:
     print("\n".join(describe()))
 
