@@ -1,4 +1,4 @@
-"""`make bench`: what three per-call costs of the training loop are, with Lightning's and the template's way.
+"""`make bench`: what four per-call costs of the training loop are, with Lightning's and the template's way.
 
 - `self.log` of a step value and of a metric object: Lightning's result collection with its own `_ResultMetric.to`
   (a move to the device on every call) and with project.loggers.logged_values' (no move when already there);
@@ -6,12 +6,17 @@
   Mean and Accuracy (a batch of 64, 10 classes);
 - a checkpoint save, as long as it holds the training thread: written there (fsync and rename included), and
   handed to the writer thread (project.runs.atomic_io; the write itself is waited for outside the timing), for the
-  MLP 784-64-128-64 and for ResNet-18 (11M weights), each with Adam's two moments; and an epoch's end, where the
-  best file and last.ckpt are saved one after the other (the second does not wait for the first's write).
+  MLP 784-64-128-64 and for ResNet-18 (11M weights), each with Adam's two moments, each net in rounds of its own
+  (the disk is still flushing ResNet-18's 45 MB files for a while); and an epoch's end, where the best file and
+  last.ckpt are saved one after the other (the second does not wait for the first's write).
+- an optimizer step (Adam on the MLP, a batch of 64's gradients): with Lightning's NVML-based CUDA check, which on a
+  machine without a GPU looks for the NVML library at every step, and answered by the CUDA runtime's cached count, as
+  the template sets it when no GPU is visible (project.launch.devices). Only with the CUDA build of torch.
 Rounds interleaved. Writes benchmarks/results/per_call.json.
 """
 
 import argparse
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -79,7 +84,19 @@ def checkpoint(net: torch.nn.Module) -> dict[str, Any]:
     return {"state_dict": weights, "optimizer_states": [{"state": moments}], "epoch": 1}
 
 
-def saves(folder: Path) -> dict[str, Callable[[], float]]:
+def optimizer_steps(calls: int) -> dict[str, Callable[[], float]]:
+    net = MLP(hidden=[64, 128, 64])
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    net(torch.randn(64, 1, 28, 28)).logsumexp(1).mean().backward()
+
+    def timed(check: str) -> float:
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = check
+        return per_call_us(optimizer.step, calls)
+
+    return {"Lightning's NVML check": partial(timed, "1"), "runtime's cached count": partial(timed, "0")}
+
+
+def saves(folder: Path) -> dict[str, dict[str, Callable[[], float]]]:
     io = AtomicCheckpointIO()
     nets = {"MLP": MLP(hidden=[64, 128, 64]), "ResNet-18": ResNet18()}
 
@@ -106,14 +123,18 @@ def saves(folder: Path) -> dict[str, Callable[[], float]]:
         io.wait()
         return took * 1e6
 
-    found = {}
-    for name, net in nets.items():
-        state = checkpoint(net)
+    groups: dict[str, dict[str, Callable[[], float]]] = {}
+    for name, net in nets.items():  # each net in rounds of its own: after ResNet-18's 45 MB writes the disk is busy
+        state, rows = checkpoint(net), {}
         for background in (False, True):
             how = "handed to the writer thread" if background else "written on the training thread"
-            found[f"{name}: {how}"] = partial(timed, state, folder / f"{name}.ckpt", background)
-    found["MLP: best, then last.ckpt at once, both handed over"] = partial(back_to_back, checkpoint(nets["MLP"]))
-    return found
+            rows[how] = partial(timed, state, folder / f"{name}.ckpt", background)
+        groups[f"checkpoint save of the {name}, µs of the training thread"] = rows
+    pair = partial(back_to_back, checkpoint(nets["MLP"]))
+    groups["checkpoint save of the MLP, µs of the training thread"][
+        "best, then last.ckpt at once, both handed over"
+    ] = pair
+    return groups
 
 
 def main() -> None:
@@ -129,7 +150,8 @@ def main() -> None:
             **{f"{k}, move skipped": v for k, v in logging(logged_values._to, args.calls).items()},
         },
         "metric updates, µs a training step": metric_updates(args.calls),
-        "checkpoint save, µs of the training thread": saves(folder),
+        "Adam's step on the MLP, µs, no GPU": optimizer_steps(args.calls),
+        **saves(folder),
     }
     results: dict[str, Any] = {"repeats": args.repeats, "calls": args.calls}
     for group, configs in groups.items():

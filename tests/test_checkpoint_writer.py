@@ -2,6 +2,7 @@
 snapshots written in order, never more than two in memory, and a failed write that ends the run in one line
 without leaving last.ckpt naming a file that is not there."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -334,3 +335,31 @@ def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg
     train(cfg)
     saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*.ckpt"))
     assert saved == ["step_2.ckpt", "step_4.ckpt"], saved
+
+
+def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it(tmp_path):
+    """`kill -9` during a write leaves its hidden temporary file (a whole checkpoint's size) beside the target;
+    nothing ever removed them. The next successful write into that folder removes those of processes of this
+    machine that are gone (of any checkpoint: a replaced best file's name does not come back), and keeps those of a
+    running process (it may be writing) and of other machines (a shared filesystem: their processes cannot be seen
+    from here)."""
+    import socket
+    import subprocess
+    import sys
+
+    from project.runs.atomic_io import write_atomically
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(gone.stdout), socket.gethostname()
+    left = {
+        "dead here": tmp_path / f".last.ckpt.partial-{host}-{dead}",
+        "running here": tmp_path / f".last.ckpt.partial-{host}-{os.getppid()}",
+        "another machine": tmp_path / f".last.ckpt.partial-node17-{dead}",
+        "another file": tmp_path / f".epoch_001.ckpt.partial-{host}-{dead}",
+    }
+    for path in left.values():
+        path.write_bytes(b"PK\x03\x04 cut off")
+    write_atomically({"global_step": 1}, tmp_path / "last.ckpt")
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"global_step": 1}
+    assert {name for name, path in left.items() if path.exists()} == {"running here", "another machine"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.partial") and str(os.getpid()) in p.name]

@@ -100,6 +100,12 @@ def test_a_refused_run_leaves_the_earlier_runs_files_alone(cli, tmp_path):
     proc = cli("train.py", f"hydra.run.dir={earlier}", "model=mlp", check=False)
     assert proc.returncode == 2
     assert f"error: {earlier} already holds checkpoints of an earlier run" in proc.stderr
+    assert f"to continue it pass ckpt_path={earlier / 'checkpoints' / 'last.ckpt'}" in proc.stderr
+    # continuing it into its own directory: the advice is not the ckpt_path already given, but where a resume writes
+    last = earlier / "checkpoints" / "last.ckpt"
+    resumed = cli("train.py", f"hydra.run.dir={earlier}", f"ckpt_path={last}", "model=mlp", check=False)
+    assert resumed.returncode == 2 and "to continue it pass" not in resumed.stderr, resumed.stderr
+    assert f"a run from ckpt_path={last} writes a directory of its own: leave out hydra.run.dir" in resumed.stderr
     assert {path: path.read_bytes() for path in files} == files
     assert sorted(p.name for p in earlier.rglob("*")) == sorted(["checkpoints", ".hydra", *(p.name for p in files)])
 

@@ -55,6 +55,22 @@ def test_torchmetrics_internals_used_by_dp():
         assert hasattr(metric, name), name
     for name in ("_update_count", "_forward_cache", "_computed"):
         assert name in vars(metric), name
+    # models/metrics.py: its update wrapper replaces torchmetrics' one, which __init__ installs through _wrap_update
+    from torchmetrics import Metric
+
+    assert "self._wrap_update(self.update)" in inspect.getsource(Metric.__init__)
+
+
+def test_torch_internals_used_without_a_gpu():
+    import os
+
+    import lightning  # noqa: F401  sets the variable
+    import torch
+
+    # launch/devices.py: Lightning's NVML-based check, and what torch reads it from
+    assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") in ("0", "1")
+    assert "_nvml_based_avail()" in inspect.getsource(torch.cuda.is_available)
+    assert callable(torch.cuda._raw_device_count_nvml)  # tests/test_step_costs.py counts its calls
 
 
 def test_torch_internals_used_by_dp_and_the_tensorboard_logger():

@@ -82,6 +82,26 @@ def test_only_a_restarted_job_resumes_from_its_own_dir(tmp_path):
     assert resume_point(tmp_path, restarted=True, ckpt_path="start.ckpt") == str(tmp_path / "hpc_ckpt_1.ckpt")
 
 
+def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files_times(tmp_path):
+    """`cp -r` of a run folder (to scratch, off a cluster) gives its files new modification times in any order: a
+    requeued job took the most recently modified file and resumed from an older epoch_* file, losing the steps
+    since. The checkpoints' own global step decides; at the same step last.ckpt, saved after the best file."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"global_step": 23, "epoch": 0}, folder / "epoch_000.ckpt")
+    torch.save({"global_step": 100, "epoch": 3}, folder / "last.ckpt")
+    os.utime(folder / "epoch_000.ckpt", (time.time() + 60, time.time() + 60))  # copied last
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
+    torch.save({"global_step": 100, "epoch": 3}, folder / "epoch_003.ckpt")
+    os.utime(folder / "epoch_003.ckpt", (time.time() + 120, time.time() + 120))
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
+    torch.save({"global_step": 130, "epoch": 4}, tmp_path / "hpc_ckpt_1.ckpt")  # Lightning's requeue save, furthest
+    os.utime(tmp_path / "hpc_ckpt_1.ckpt", (time.time() - 600, time.time() - 600))
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"PK\x03\x04 torn")  # cut off: the furthest whole one
+    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
+
+
 @pytest.mark.slow
 def test_submitit_job_lightning_stays_out_and_the_resubmitted_job_resumes(tmp_path):
     """A submitit job step as SLURM's and submitit's variables describe it, run here: SIGUSR1 at epoch 1 (sent by

@@ -35,7 +35,13 @@ def _stop_on(error: Exception) -> None:
     _stop(found)
 
 
-def _refuse_checkpoints(run_dir: Path) -> UserError:
+def _refuse_checkpoints(run_dir: Path, ckpt_path: Any = None) -> UserError:
+    if ckpt_path:  # already continuing it: what is wrong is the directory
+        return UserError(
+            f"{run_dir} already holds checkpoints of an earlier run; a run from ckpt_path={ckpt_path} writes a "
+            "directory of its own: leave out hydra.run.dir (or name a new one); the earlier run's files stay as they "
+            "are"
+        )
     return UserError(
         f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
         f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}; for a new run use a new directory "
@@ -84,7 +90,7 @@ class RunDirGuard(Callback):
         try:
             run_dir = _directory(config, "hydra.run.dir")
             if holds_checkpoints(run_dir):
-                raise _refuse_checkpoints(run_dir)
+                raise _refuse_checkpoints(run_dir, OmegaConf.select(config, "ckpt_path", default=None))
             # a directory the launcher names for all its ranks (torchrun, srun), or that the user names for the
             # nodes started by hand, is shared; any other is this run's own
             shared = environment.shared_run_name() is not None or environment.shares_a_named_dir()

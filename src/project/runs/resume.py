@@ -1,7 +1,7 @@
 """Which checkpoint a run continues from, and whether it fits the run's model.
 
 A fresh run continues from `ckpt_path` if given. A job that runs again after a SLURM requeue, a submitit
-resubmission or a torchelastic restart continues from the newest readable checkpoint in its own directory,
+resubmission or a torchelastic restart continues from the furthest readable checkpoint in its own directory,
 even if it was first started with `ckpt_path`: that was where it began, not how far it got. (A new run in a
 directory that holds checkpoints is refused before Hydra writes into it: project.runs.guard.)
 """
@@ -18,19 +18,32 @@ log = logging.getLogger(__name__)
 
 
 def newest_checkpoint(run_dir: Path) -> str | None:
-    """The run dir's newest checkpoint that is not torn: Lightning's hpc_ckpt_*, last.ckpt or an epoch_*."""
+    """The run dir's furthest checkpoint that is not torn: Lightning's hpc_ckpt_*, last.ckpt or an epoch_*.
+
+    Ordered by the global step each holds, not by modification time: `cp -r` of a run folder gives its files new
+    times in copy order. At the same step Lightning's requeue save, then last.ckpt (saved after the best file)."""
     candidates = [
         *run_dir.glob("hpc_ckpt_*.ckpt"),
         *(run_dir / "checkpoints").glob("last.ckpt"),
-        *(run_dir / "checkpoints").glob("epoch_*.ckpt"),
         *(run_dir / "checkpoints").glob(".*.ckpt.old"),  # a sharded checkpoint killed halfway through its swap
+        *(run_dir / "checkpoints").glob("epoch_*.ckpt"),
     ]
-    for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
+    furthest = sorted(enumerate(candidates), key=lambda c: (_global_step(c[1]), -c[0]), reverse=True)
+    for _, candidate in furthest:
         try:
             return str(checkpoints.check_readable(str(candidate)))
         except UserError as e:  # cut off while saving when the job was stopped: fall back to an older one
             log.warning("Not resuming from %s: %s", candidate, e)
     return None
+
+
+def _global_step(path: Path) -> int:
+    """The step a checkpoint was saved at (its tensors stay on disk: mmap), -1 when it cannot be read."""
+    try:
+        step = checkpoints.load(path, mmap=True).get("global_step", -1)
+    except Exception:  # torn or foreign: check_readable says why, after the readable ones
+        return -1
+    return step if isinstance(step, int) else -1
 
 
 def check_output_dirs(output_dir: Path, callbacks: Any, restarted: bool) -> None:
