@@ -363,3 +363,23 @@ def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it
     assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"global_step": 1}
     assert {name for name, path in left.items() if path.exists()} == {"running here", "another machine"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.partial") and str(os.getpid()) in p.name]
+
+
+def test_a_read_only_filesystem_is_one_line_not_an_oserror_from_the_cleanup(tmp_path, monkeypatch):
+    """On a read-only filesystem even removing a temporary file that was never made fails (EROFS, which
+    `missing_ok` does not cover): that OSError replaced the one-line error, and Hydra printed its "Error executing
+    job" report before it."""
+    import builtins
+    import errno
+
+    from project.runs.atomic_io import write_atomically, write_file
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(UserError, match="could not be written \\(Read-only file system\\); nothing was written"):
+        write_atomically({"global_step": 1}, tmp_path / "last.ckpt")
+    with pytest.raises(UserError, match="fit_metrics.json: could not be written \\(Read-only file system\\)"):
+        write_file(tmp_path / "fit_metrics.json", lambda partial: open(partial, "w"), "free space")

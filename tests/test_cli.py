@@ -63,6 +63,12 @@ BAD_INPUTS = [
         ["callbacks.model_checkpoint.dirpath=/proc/x"],
         "callbacks.model_checkpoint.dirpath=/proc/x: cannot be created",
     ),
+    (  # an existing folder this process cannot write to (a read-only mount): at start, not after an epoch
+        "train.py",
+        ["callbacks.model_checkpoint.dirpath=/proc/self"],
+        "callbacks.model_checkpoint.dirpath=/proc/self: not writable",
+    ),
+    ("train.py", ["hydra.run.dir=/proc/self"], "hydra.run.dir=/proc/self: not writable"),
     ("train.py", ["task_name=../../etc"], "task_name='../../etc': a name"),
     pytest.param(
         "train.py",

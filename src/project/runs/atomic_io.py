@@ -76,7 +76,17 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
             "paths.output_dir, or callbacks.model_checkpoint.dirpath and callbacks.last_checkpoint.dirpath"
         ) from e
     finally:
+        _remove(partial)
+
+
+def _remove(partial: Path) -> None:
+    """A temporary file gone, if it is there. On a read-only filesystem even a missing one raises (EROFS), and that
+    must not replace the error that says what happened; one left behind goes at a later write (remove_stale_partials).
+    """
+    try:
         partial.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def remove_stale_partials(folder: Path) -> None:
@@ -85,7 +95,7 @@ def remove_stale_partials(folder: Path) -> None:
     for partial in folder.glob(".*.ckpt.partial-*"):
         host, _, pid = partial.name.split(".partial-", 1)[1].rpartition("-")
         if host == _HOST and pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
-            partial.unlink(missing_ok=True)
+            _remove(partial)  # one that cannot be removed (another user's) does not fail the write that was made
 
 
 def _running(pid: int) -> bool:
@@ -108,7 +118,7 @@ def write_file(target: Path, write: Callable[[Path], object], fix: str) -> None:
     except OSError as e:
         raise UserError(f"{target}: could not be written ({e.strerror or e}); {fix}") from e
     finally:
-        partial.unlink(missing_ok=True)
+        _remove(partial)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -157,3 +157,5 @@ def make_output_dirs(cfg: Any) -> None:
             os.makedirs(str(path), exist_ok=True)
         except OSError as e:
             raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
+        if not os.access(str(path), os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
+            raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")

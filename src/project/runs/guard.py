@@ -6,6 +6,7 @@ check inside the task comes too late to leave another run's files alone. `on_run
 exits here (project.errors.exit_with).
 """
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ def _directory(config: DictConfig, key: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
+    if not os.access(path, os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
+        raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")
     return path
 
 
