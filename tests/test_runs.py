@@ -80,3 +80,18 @@ def test_a_resumed_run_reads_its_checkpoint_once(make_cfg, tmp_path, monkeypatch
     )
     train(resumed)
     assert loads.count(str(moved)) == 1 and crcs.count(str(moved)) == 1, (loads, crcs)
+
+
+def test_output_folders_are_made_and_checked_at_start_but_a_remote_one_is_left_to_its_filesystem(
+    make_cfg, tmp_path, monkeypatch
+):
+    """Every local folder the run writes to is made at start; a checkpoint dirpath on fsspec storage
+    (`s3://...`, which Lightning's checkpointing supports) made a local `s3:` folder in the working directory."""
+    from project.runs.dirs import make_output_dirs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg(
+        "callbacks.model_checkpoint.dirpath=memory://bucket/best", f"callbacks.last_checkpoint.dirpath={tmp_path / 'l'}"
+    )
+    make_output_dirs(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l", "out"]

@@ -153,6 +153,8 @@ def make_output_dirs(cfg: Any) -> None:
                 if node is not None and node.get(key):
                     wanted[f"{group}.{name}.{key}"] = node[key]
     for key, path in wanted.items():
+        if "://" in str(path):  # fsspec storage (s3://, gs://): not a local folder; Lightning writes there itself
+            continue
         try:
             os.makedirs(str(path), exist_ok=True)
         except OSError as e:
