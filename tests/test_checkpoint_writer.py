@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from user_models import LIT_AUTOENCODER
 
 from project.errors import UserError
 
@@ -295,11 +296,7 @@ def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_c
         lambda *a, **k: (written.append((threading.current_thread().name, Path(a[1]).name)), replace(*a, **k)),
     )
     cfg = make_cfg(
-        "model=autoencoder",
-        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
-        "model._target_=user_models.LitAutoEncoder",
-        "monitor.metric=train_loss",
-        "monitor.mode=min",
+        *LIT_AUTOENCODER,
         "trainer.accelerator=cpu",
         "trainer.max_epochs=3",
         "+trainer.limit_train_batches=4",
@@ -319,11 +316,7 @@ def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg
     from project.tasks.training import train
 
     cfg = make_cfg(
-        "model=autoencoder",
-        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
-        "model._target_=user_models.LitAutoEncoder",
-        "monitor.metric=train_loss",
-        "monitor.mode=min",
+        *LIT_AUTOENCODER,
         "trainer.accelerator=cpu",
         "trainer.max_epochs=1",
         "+trainer.limit_train_batches=4",

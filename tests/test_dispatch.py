@@ -4,6 +4,7 @@ class overrides, on every batch; the hooks it leaves as no-ops are skipped; a pr
 import lightning.pytorch as L
 import pytest
 from lightning.pytorch.profilers import SimpleProfiler
+from user_models import LIT_AUTOENCODER
 
 from project import build
 from project.callbacks.dispatch import PER_BATCH_HOOKS, QuietProfiler
@@ -45,16 +46,7 @@ class InheritedCounter(BatchCounter):
 # validation_step): the callbacks see the same hooks whatever the module
 MODELS = {
     "ImageClassifier mlp": (["model=mlp"], VAL_BATCHES),
-    "user's LitAutoEncoder": (
-        [
-            "model=autoencoder",
-            *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
-            "model._target_=user_models.LitAutoEncoder",
-            "monitor.metric=train_loss",
-            "monitor.mode=min",
-        ],
-        0,
-    ),
+    "user's LitAutoEncoder": ([*LIT_AUTOENCODER], 0),
 }
 
 

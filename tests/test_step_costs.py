@@ -8,6 +8,7 @@ import json
 
 import pytest
 from conftest import run_dirs
+from user_models import LIT_AUTOENCODER
 
 pytestmark = pytest.mark.slow
 
@@ -117,11 +118,7 @@ def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(mak
 
     monkeypatch.setattr("project.build._how_a_run_ends", _with(Count()))
     cfg = make_cfg(
-        "model=autoencoder",
-        *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
-        "model._target_=user_models.LitAutoEncoder",
-        "monitor.metric=train_loss",
-        "monitor.mode=min",
+        *LIT_AUTOENCODER,
         "trainer.accelerator=cpu",
         "trainer.max_epochs=1",
         "+trainer.limit_train_batches=6",

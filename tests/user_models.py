@@ -6,6 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# The overrides that make a run train LitAutoEncoder (below) in place of the template's model: the autoencoder
+# config's keys it does not take removed, and a metric it logs monitored.
+LIT_AUTOENCODER = (
+    "model=autoencoder",
+    *(f"~model.{key}" for key in ("in_channels", "image_size", "latent", "lr")),
+    "model._target_=user_models.LitAutoEncoder",
+    "monitor.metric=train_loss",
+    "monitor.mode=min",
+)
+
 
 class TutorialCNN(nn.Module):
     """The CNN of PyTorch's classic CIFAR-10 and DataParallel tutorials (layers in __init__, functional ReLU, one
