@@ -349,12 +349,13 @@ def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it
         "running here": tmp_path / f".last.ckpt.partial-{host}-{os.getppid()}",
         "another machine": tmp_path / f".last.ckpt.partial-node17-{dead}",
         "another file": tmp_path / f".epoch_001.ckpt.partial-{host}-{dead}",
+        "no process's": tmp_path / f".last.ckpt.partial-{host}-99999999999999999999",  # crashed os.kill before
     }
     for path in left.values():
         path.write_bytes(b"PK\x03\x04 cut off")
     write_atomically({"global_step": 1}, tmp_path / "last.ckpt")
     assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"global_step": 1}
-    assert {name for name, path in left.items() if path.exists()} == {"running here", "another machine"}
+    assert {name for name, path in left.items() if path.exists()} == {"running here", "another machine", "no process's"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.partial") and str(os.getpid()) in p.name]
 
 
@@ -376,3 +377,23 @@ def test_a_read_only_filesystem_is_one_line_not_an_oserror_from_the_cleanup(tmp_
         write_atomically({"global_step": 1}, tmp_path / "last.ckpt")
     with pytest.raises(UserError, match="fit_metrics.json: could not be written \\(Read-only file system\\)"):
         write_file(tmp_path / "fit_metrics.json", lambda partial: open(partial, "w"), "free space")
+
+
+def test_a_checkpoint_with_the_longest_name_a_folder_allows_is_written_whatever_the_hostname(tmp_path, monkeypatch):
+    """The temporary file's name adds the machine's name and the pid to the checkpoint's: with a long hostname (a
+    cluster's fully qualified one) a long but valid checkpoint name made it longer than a folder allows."""
+    import subprocess
+    import sys
+
+    from project.runs import atomic_io
+
+    assert len(atomic_io._HOST) <= 64  # the machine's name, cut to the length it may have at most in the name
+    monkeypatch.setattr(atomic_io, "_HOST", ("gpu-node-0123.cluster-university-example-" * 2)[:64])
+    target = tmp_path / ("n" * 240 + ".ckpt")
+    atomic_io.write_atomically({"global_step": 3}, target)
+    assert torch.load(target, weights_only=True) == {"global_step": 3}
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = atomic_io.partial_path(target).with_name(f".{'n' * 150}.partial-{atomic_io._HOST}-{int(gone.stdout)}")
+    left.write_bytes(b"cut off")  # a killed writer's
+    atomic_io.write_atomically({"global_step": 4}, target)
+    assert not left.exists() and [p.name for p in tmp_path.iterdir()] == [target.name]

@@ -95,3 +95,27 @@ def test_output_folders_are_made_and_checked_at_start_but_a_remote_one_is_left_t
     )
     make_output_dirs(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["l", "out"]
+
+
+def test_a_refused_output_folder_leaves_none_of_the_folders_made_before_it(make_cfg, tmp_path):
+    """Folders are made one after the other: one that cannot be written, found after a logger's new save_dir was
+    made, left that save_dir behind."""
+    from project.errors import UserError
+    from project.runs.dirs import make_output_dirs
+
+    cfg = make_cfg(
+        f"logger.tensorboard.save_dir={tmp_path / 'new' / 'a' / 'b'}", "callbacks.model_checkpoint.dirpath=/proc/self"
+    )
+    with pytest.raises(UserError, match="callbacks.model_checkpoint.dirpath=/proc/self: not writable"):
+        make_output_dirs(cfg)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_home_relative_folder_is_made_and_checked_in_the_home_folder(make_cfg, tmp_path, monkeypatch):
+    """Lightning writes a dirpath of `~/x` under $HOME; the start made (and checked) a literal `./~/x` instead."""
+    from project.runs.dirs import make_output_dirs
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    make_output_dirs(make_cfg("callbacks.model_checkpoint.dirpath='~/checkpoints'"))
+    assert (tmp_path / "home" / "checkpoints").is_dir() and not (tmp_path / "~").exists()

@@ -82,7 +82,7 @@ def test_only_a_restarted_job_resumes_from_its_own_dir(tmp_path):
     assert resume_point(tmp_path, restarted=True, ckpt_path="start.ckpt") == str(tmp_path / "hpc_ckpt_1.ckpt")
 
 
-def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files_times(tmp_path):
+def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files_times(tmp_path, caplog):
     """`cp -r` of a run folder (to scratch, off a cluster) gives its files new modification times in any order: a
     requeued job took the most recently modified file and resumed from an older epoch_* file, losing the steps
     since. The checkpoints' own global step decides; at the same step last.ckpt, saved after the best file."""
@@ -98,8 +98,10 @@ def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files
     torch.save({"global_step": 130, "epoch": 4}, tmp_path / "hpc_ckpt_1.ckpt")  # Lightning's requeue save, furthest
     os.utime(tmp_path / "hpc_ckpt_1.ckpt", (time.time() - 600, time.time() - 600))
     assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(tmp_path / "hpc_ckpt_1.ckpt")
-    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"PK\x03\x04 torn")  # cut off: the furthest whole one
-    assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"PK\x03\x04 torn")  # cut off: the furthest whole one, and why
+    with caplog.at_level("WARNING", logger="project.runs.resume"):
+        assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
+    assert f"Not resuming from {tmp_path / 'hpc_ckpt_1.ckpt'}: " in caplog.text
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from project.errors import UserError
 
 log = logging.getLogger(__name__)
-_HOST = socket.gethostname()  # in a temporary file's name, before the writer's pid
+_HOST = socket.gethostname()[:64]  # in a temporary file's name, before the writer's pid
 
 
 def fsync_dir(path: Path) -> None:
@@ -55,7 +55,7 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
     directory."""
     import torch
 
-    partial = target.parent / f".{target.name}.partial-{_HOST}-{os.getpid()}"
+    partial = partial_path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(partial, "wb") as f:
@@ -89,21 +89,28 @@ def _remove(partial: Path) -> None:
         pass
 
 
+def partial_path(target: Path) -> Path:
+    """Where `target` is written before it is renamed into place: hidden, not `*.ckpt`, named by this machine and
+    process, and short enough for any folder (a name may have 255 bytes; the target's own may use them all)."""
+    return target.parent / f".{target.name[:150]}.partial-{_HOST}-{os.getpid()}"
+
+
 def remove_stale_partials(folder: Path) -> None:
     """The temporary files of checkpoints (a whole checkpoint's size each) that processes of this machine killed
     mid-write left in `folder`. Those of a running process, or of another machine sharing the filesystem, stay."""
-    for partial in folder.glob(".*.ckpt.partial-*"):
-        host, _, pid = partial.name.split(".partial-", 1)[1].rpartition("-")
+    for partial in folder.glob(".*.partial-*"):
+        host, _, pid = partial.name.rsplit(".partial-", 1)[1].rpartition("-")
         if host == _HOST and pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
             _remove(partial)  # one that cannot be removed (another user's) does not fail the write that was made
 
 
 def _running(pid: int) -> bool:
+    """Whether a process `pid` may be running here: only one that is surely gone says no."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except (PermissionError, OverflowError):  # another user's process; no pid at all, so not one of ours
         return True
     return True
 

@@ -3,6 +3,7 @@
 Imports no torch: Hydra resolves these names before any task code runs.
 """
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -152,12 +153,28 @@ def make_output_dirs(cfg: Any) -> None:
             for key in ("save_dir", "dirpath"):
                 if node is not None and node.get(key):
                     wanted[f"{group}.{name}.{key}"] = node[key]
-    for key, path in wanted.items():
-        if "://" in str(path):  # fsspec storage (s3://, gs://): not a local folder; Lightning writes there itself
-            continue
-        try:
-            os.makedirs(str(path), exist_ok=True)
-        except OSError as e:
-            raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
-        if not os.access(str(path), os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
-            raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")
+    made: list[Path] = []  # removed again, deepest first, if a later folder is refused: nothing is left behind
+    try:
+        for key, path in wanted.items():
+            if "://" not in str(path):  # fsspec storage (s3://, gs://): not a local folder; Lightning writes there
+                _make_writable(key, Path(str(path)).expanduser(), made)  # `~/x`: Lightning writes under $HOME too
+    except UserError:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _make_writable(key: str, path: Path, made: list[Path]) -> None:
+    """`path` and the folders above it that are missing, made (and added to `made`), then checked for writing."""
+    try:
+        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
+            try:
+                folder.mkdir()
+                made.append(folder)
+            except FileExistsError:  # made meanwhile by another process: not ours to remove
+                pass
+    except OSError as e:
+        raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
+    if not os.access(path, os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
+        raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")

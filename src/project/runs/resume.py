@@ -21,28 +21,34 @@ def newest_checkpoint(run_dir: Path) -> str | None:
     """The run dir's furthest checkpoint that is not torn: Lightning's hpc_ckpt_*, last.ckpt or an epoch_*.
 
     Ordered by the global step each holds, not by modification time: `cp -r` of a run folder gives its files new
-    times in copy order. At the same step Lightning's requeue save, then last.ckpt (saved after the best file)."""
+    times in copy order. At the same step Lightning's requeue save, then last.ckpt (saved after the best file). One
+    that cannot be loaded (cut off by the kill, or not a checkpoint of ours) is passed over with a warning. Reading
+    each one's step takes a few milliseconds (its pickle only), so a folder of thousands of epoch files adds seconds
+    to the restart."""
     candidates = [
         *run_dir.glob("hpc_ckpt_*.ckpt"),
         *(run_dir / "checkpoints").glob("last.ckpt"),
         *(run_dir / "checkpoints").glob(".*.ckpt.old"),  # a sharded checkpoint killed halfway through its swap
         *(run_dir / "checkpoints").glob("epoch_*.ckpt"),
     ]
-    furthest = sorted(enumerate(candidates), key=lambda c: (_global_step(c[1]), -c[0]), reverse=True)
-    for _, candidate in furthest:
+    steps = {}
+    for candidate in candidates:
+        try:
+            steps[candidate] = _global_step(candidate)
+        except Exception as e:  # cut off while saving when the job was stopped, or not a checkpoint of ours
+            log.warning("Not resuming from %s: %s", candidate, " ".join(str(e).split())[:200])
+    order = {candidate: i for i, candidate in enumerate(candidates)}
+    for candidate in sorted(steps, key=lambda c: (steps[c], -order[c]), reverse=True):
         try:
             return str(checkpoints.check_readable(str(candidate)))
-        except UserError as e:  # cut off while saving when the job was stopped: fall back to an older one
+        except UserError as e:  # loads, but an entry is corrupt: fall back to an older one
             log.warning("Not resuming from %s: %s", candidate, e)
     return None
 
 
 def _global_step(path: Path) -> int:
-    """The step a checkpoint was saved at (its tensors stay on disk: mmap), -1 when it cannot be read."""
-    try:
-        step = checkpoints.load(path, mmap=True).get("global_step", -1)
-    except Exception:  # torn or foreign: check_readable says why, after the readable ones
-        return -1
+    """The step a checkpoint was saved at (its tensors stay on disk: mmap); -1 if it does not say."""
+    step = checkpoints.load(path, mmap=True).get("global_step", -1)
     return step if isinstance(step, int) else -1
 
 
