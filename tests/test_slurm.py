@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -101,7 +102,15 @@ def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files
     (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"PK\x03\x04 torn")  # cut off: the furthest whole one, and why
     with caplog.at_level("WARNING", logger="project.runs.resume"):
         assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
-    assert f"Not resuming from {tmp_path / 'hpc_ckpt_1.ckpt'}: " in caplog.text
+    assert f"Not resuming from {tmp_path / 'hpc_ckpt_1.ckpt'}: it cannot be loaded (" in caplog.text
+    # the hidden files of saves the stop cut off (Lightning's requeue save too, beside the checkpoints folder) go
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    name = f".hpc_ckpt_2.ckpt.partial-{socket.gethostname()[:64]}-{int(gone.stdout)}"
+    left = [tmp_path / name, folder / name.replace("hpc_ckpt_2", "last")]
+    for path in left:
+        path.write_bytes(b"cut off")
+    resume_point(tmp_path, restarted=True, ckpt_path=None)
+    assert not [path for path in left if path.exists()]
 
 
 @pytest.mark.slow

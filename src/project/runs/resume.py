@@ -25,6 +25,10 @@ def newest_checkpoint(run_dir: Path) -> str | None:
     that cannot be loaded (cut off by the kill, or not a checkpoint of ours) is passed over with a warning. Reading
     each one's step takes a few milliseconds (its pickle only), so a folder of thousands of epoch files adds seconds
     to the restart."""
+    from project.runs.atomic_io import remove_stale_partials
+
+    for folder in (run_dir, run_dir / "checkpoints"):  # what the stop cut off (Lightning's requeue save beside)
+        remove_stale_partials(folder)
     candidates = [
         *run_dir.glob("hpc_ckpt_*.ckpt"),
         *(run_dir / "checkpoints").glob("last.ckpt"),
@@ -36,7 +40,8 @@ def newest_checkpoint(run_dir: Path) -> str | None:
         try:
             steps[candidate] = _global_step(candidate)
         except Exception as e:  # cut off while saving when the job was stopped, or not a checkpoint of ours
-            log.warning("Not resuming from %s: %s", candidate, " ".join(str(e).split())[:200])
+            cause = " ".join(str(e.__cause__ or e).split())[:200]
+            log.warning("Not resuming from %s: it cannot be loaded (%s)", candidate, cause)
     order = {candidate: i for i, candidate in enumerate(candidates)}
     for candidate in sorted(steps, key=lambda c: (steps[c], -order[c]), reverse=True):
         try:
