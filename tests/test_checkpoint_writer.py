@@ -336,14 +336,13 @@ def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it
     machine that are gone (of any checkpoint: a replaced best file's name does not come back), and keeps those of a
     running process (it may be writing) and of other machines (a shared filesystem: their processes cannot be seen
     from here)."""
-    import socket
     import subprocess
     import sys
 
-    from project.runs.atomic_io import write_atomically
+    from project.runs.atomic_io import _HOST, write_atomically
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, host = int(gone.stdout), socket.gethostname()
+    dead, host = int(gone.stdout), _HOST  # this machine's name, as the temporary files carry it
     left = {
         "dead here": tmp_path / f".last.ckpt.partial-{host}-{dead}",
         "running here": tmp_path / f".last.ckpt.partial-{host}-{os.getppid()}",

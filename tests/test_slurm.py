@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from slurm_cluster import Cluster
 
 from project import build
+from project.runs import atomic_io
 from project.runs.resume import resume_point
 
 SLURM_ENV = {
@@ -105,7 +105,7 @@ def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files
     assert f"Not resuming from {tmp_path / 'hpc_ckpt_1.ckpt'}: it cannot be loaded (" in caplog.text
     # the hidden files of saves the stop cut off (Lightning's requeue save too, beside the checkpoints folder) go
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    name = f".hpc_ckpt_2.ckpt.partial-{socket.gethostname()[:64]}-{int(gone.stdout)}"
+    name = f".hpc_ckpt_2.ckpt.partial-{atomic_io._HOST}-{int(gone.stdout)}"
     left = [tmp_path / name, folder / name.replace("hpc_ckpt_2", "last")]
     for path in left:
         path.write_bytes(b"cut off")
