@@ -30,6 +30,7 @@ from timing import interleaved, summary, write_results
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from project.launch.devices import NVML_CHECK
 from project.loggers import logged_values
 from project.models.metrics import Accuracy, Mean
 from project.models.mlp import MLP
@@ -90,7 +91,7 @@ def optimizer_steps(calls: int) -> dict[str, Callable[[], float]]:
     net(torch.randn(64, 1, 28, 28)).logsumexp(1).mean().backward()
 
     def timed(check: str) -> float:
-        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = check
+        os.environ[NVML_CHECK] = check
         return per_call_us(optimizer.step, calls)
 
     return {"Lightning's NVML check": partial(timed, "1"), "runtime's cached count": partial(timed, "0")}

@@ -44,6 +44,7 @@ from timing import REPO, RESULTS, interleaved, summary, write_results
 from torch import nn
 
 from project.config import register
+from project.launch.devices import NVML_CHECK
 from project.tasks.training import train
 
 MLP = ["model=mlp", "model.net.hidden=[64,128,64]"]
@@ -66,14 +67,12 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 TARGET_TO_BARE = 1.10
 LR = 0.002
-# Importing Lightning sets this, and then every torch.cuda.is_available() asks NVML; without a GPU torch's optimizers
-# then look for the NVML library on every step. The template turns that off when no GPU is visible
-# (project.launch.devices), in this process too: each loop gets what its user would have.
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def nvml_check(on: bool | None) -> None:
-    """As Lightning leaves it (True), as the template sets it without a GPU (False), or unset (no Lightning)."""
+    """Lightning's NVML-based CUDA check: as importing Lightning leaves it (True), as the template sets it when no GPU
+    is visible (False: project.launch.devices, in this process too), or unset (no Lightning). Each loop gets what its
+    user would have."""
     if on is None:
         os.environ.pop(NVML_CHECK, None)
     else:

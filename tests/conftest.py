@@ -30,6 +30,12 @@ def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
     return sorted(p for p in (log_dir / task / "runs").glob("*") if p.is_dir())
 
 
+def dead_pid() -> int:
+    """The pid of a process of this machine that has ended (a writer `kill -9` stopped, as far as its files tell)."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(ended.stdout)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI run in a test: tests/ importable (for probes.* targets), nothing else changed."""
     inherited = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # set by an in-process wandb run

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import dead_pid
 from user_models import LIT_AUTOENCODER
 
 from project.errors import UserError
@@ -336,13 +337,9 @@ def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it
     machine that are gone (of any checkpoint: a replaced best file's name does not come back), and keeps those of a
     running process (it may be writing) and of other machines (a shared filesystem: their processes cannot be seen
     from here)."""
-    import subprocess
-    import sys
-
     from project.runs.atomic_io import _HOST, write_atomically
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, host = int(gone.stdout), _HOST  # this machine's name, as the temporary files carry it
+    dead, host = dead_pid(), _HOST  # this machine's name, as the temporary files carry it
     left = {
         "dead here": tmp_path / f".last.ckpt.partial-{host}-{dead}",
         "running here": tmp_path / f".last.ckpt.partial-{host}-{os.getppid()}",
@@ -381,9 +378,6 @@ def test_a_read_only_filesystem_is_one_line_not_an_oserror_from_the_cleanup(tmp_
 def test_a_checkpoint_with_the_longest_name_a_folder_allows_is_written_whatever_the_hostname(tmp_path, monkeypatch):
     """The temporary file's name adds the machine's name and the pid to the checkpoint's: with a long hostname (a
     cluster's fully qualified one) a long but valid checkpoint name made it longer than a folder allows."""
-    import subprocess
-    import sys
-
     from project.runs import atomic_io
 
     assert len(atomic_io._HOST) <= 64  # the machine's name, cut to the length it may have at most in the name
@@ -391,8 +385,7 @@ def test_a_checkpoint_with_the_longest_name_a_folder_allows_is_written_whatever_
     target = tmp_path / ("n" * 240 + ".ckpt")
     atomic_io.write_atomically({"global_step": 3}, target)
     assert torch.load(target, weights_only=True) == {"global_step": 3}
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    left = atomic_io.partial_path(target).with_name(f".{'n' * 150}.partial-{atomic_io._HOST}-{int(gone.stdout)}")
+    left = atomic_io.partial_path(target).with_name(f".{'n' * 150}.partial-{atomic_io._HOST}-{dead_pid()}")
     left.write_bytes(b"cut off")  # a killed writer's
     atomic_io.write_atomically({"global_step": 4}, target)
     assert not left.exists() and [p.name for p in tmp_path.iterdir()] == [target.name]

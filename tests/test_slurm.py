@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TESTS, WARM, cli_env, run_dirs, run_python
+from conftest import REPO, TESTS, WARM, cli_env, dead_pid, run_dirs, run_python
 from hydra import compose, initialize_config_dir
 from slurm_cluster import Cluster
 
@@ -104,8 +104,7 @@ def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files
         assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
     assert f"Not resuming from {tmp_path / 'hpc_ckpt_1.ckpt'}: it cannot be loaded (" in caplog.text
     # the hidden files of saves the stop cut off (Lightning's requeue save too, beside the checkpoints folder) go
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    name = f".hpc_ckpt_2.ckpt.partial-{atomic_io._HOST}-{int(gone.stdout)}"
+    name = f".hpc_ckpt_2.ckpt.partial-{atomic_io._HOST}-{dead_pid()}"
     left = [tmp_path / name, folder / name.replace("hpc_ckpt_2", "last")]
     for path in left:
         path.write_bytes(b"cut off")

@@ -22,8 +22,8 @@ class _Summed(Metric):
     """A Metric whose update only adds detached values to its sums."""
 
     def _wrap_update(self, update: Callable) -> Callable:
-        # torchmetrics' wrapper also enters torch.set_grad_enabled and catches device errors to reword them: about
-        # 8 µs of an update. These updates add detached values in place, so only its bookkeeping is kept: the
+        # torchmetrics' wrapper also enters torch.set_grad_enabled and catches device errors to reword them: a few
+        # µs of each update. These updates add detached values in place, so only its bookkeeping is kept: the
         # cached value is dropped and the update counted (nn.Module's __setattr__ skipped: plain attributes).
         @functools.wraps(update)
         def wrapped(*args: Any, **kwargs: Any) -> None:

@@ -157,7 +157,7 @@ def make_output_dirs(cfg: Any) -> None:
     try:
         for key, path in wanted.items():
             if "://" not in str(path):  # fsspec storage (s3://, gs://): not a local folder; Lightning writes there
-                _make_writable(key, Path(str(path)).expanduser(), made)  # `~/x`: Lightning writes under $HOME too
+                make_writable(key, Path(str(path)).expanduser(), made)  # `~/x`: Lightning writes under $HOME too
     except UserError:
         for folder in reversed(made):
             with contextlib.suppress(OSError):
@@ -165,8 +165,10 @@ def make_output_dirs(cfg: Any) -> None:
         raise
 
 
-def _make_writable(key: str, path: Path, made: list[Path]) -> None:
-    """`path` and the folders above it that are missing, made (and added to `made`), then checked for writing."""
+def make_writable(key: str, path: Path, made: list[Path]) -> None:
+    """`path` and the folders above it that are missing, made (and added to `made`: a failed start removes what it
+    made itself, never a folder another process made meanwhile), then checked for writing; else one line naming
+    `key`."""
     try:
         for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
             try:

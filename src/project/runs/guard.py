@@ -6,7 +6,6 @@ check inside the task comes too late to leave another run's files alone. `on_run
 exits here (project.errors.exit_with).
 """
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.entry import full_error
 from project.errors import UserError, exit_with, user_error_in
 from project.launch import environment
-from project.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints
+from project.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints, make_writable
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -68,18 +67,11 @@ def _directory(config: DictConfig, key: str) -> Path:
     inside = _enclosing_run(path)
     if inside is not None:
         raise UserError(f"{key}={path} is inside the directory of another run ({inside}); choose a new directory")
+    made: list[Path] = []
     try:
-        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
-            try:
-                folder.mkdir()
-                CREATED.add(str(folder.resolve()))  # a failed start removes what it made itself (hydra.run.dir=new)
-            except FileExistsError:  # made meanwhile by another run: not ours to remove
-                pass
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
-    if not os.access(path, os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
-        raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")
+        make_writable(key, path, made)
+    finally:
+        CREATED.update(str(folder.resolve()) for folder in made)  # a failed start removes them (hydra.run.dir=new)
     return path
 
 
