@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TESTS, run_dirs, run_python
+from conftest import REPO, TESTS, WARM, run_dirs, run_python
 
 from project.errors import UserError
 from project.launch import environment as cluster
@@ -188,3 +188,72 @@ def test_two_nodes_on_localhost_one_process_each(tmp_path):
     seen = assert_two_ranks_split_the_data(probe)
     assert [r["node_rank"] for r in seen] == [0, 1]
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+RANK_SCRIPT = """
+import os, time, types
+from datetime import timedelta
+from pathlib import Path
+import torch, torch.distributed as dist
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from project.strategies import rendezvous
+
+env = TorchElasticEnvironment()
+rank = env.global_rank()
+strategy = types.SimpleNamespace(
+    _process_group_backend="gloo", _timeout=timedelta(seconds=60), root_device=torch.device("cpu"),
+    cluster_environment=env, global_rank=rank, world_size=env.world_size(), num_nodes=1, node_rank=0,
+)
+if os.environ.get("AFTER"):  # start once the other rank waits, and a while after
+    while not Path(os.environ["AFTER"]).exists():
+        time.sleep(0.02)
+    time.sleep(1)
+Path(os.environ["READY"]).touch()
+rendezvous.connect(strategy, 60)
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+print("sum", total.item())
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_never_meet_the_previous_attempts_addresses(tmp_path):
+    """torchrun's agent keeps one store for every restart of its workers (the shared c10d store), so the keys of a
+    killed attempt's process group are still there when the next attempt starts. A restarted rank that read rank 0's
+    old address stopped with gloo's (or NCCL's) "Connection refused" in about half of all `--max-restarts` restarts
+    (pytorch#135712): whether it connects or waits to be connected depends on the two ports. Rank 1 starts first
+    here, as it did in those restarts, twice."""
+    import torch.distributed as dist
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # what torchrun's agent hosts
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    python = str(WARM.python_on_path() / "python")
+
+    def rank(r: int, attempt: int, **extra: str) -> subprocess.Popen:
+        env = {
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(agent.port),
+            "TORCHELASTIC_RUN_ID": "restarts",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TORCHELASTIC_MAX_RESTARTS": "2",
+            "READY": str(tmp_path / f"ready{r}-{attempt}"),
+            **extra,
+        }
+        return start([python, str(script)], env, tmp_path)
+
+    for attempt in range(3):
+        first = rank(1, attempt) if attempt else rank(0, attempt)
+        second = rank(0, attempt, AFTER=str(tmp_path / f"ready1-{attempt}")) if attempt else rank(1, attempt)
+        try:
+            outs = [p.communicate(timeout=60)[0] for p in (first, second)]  # hung before, when not refused
+        finally:
+            for p in (first, second):
+                p.kill()
+        assert [out.split()[-1] for out in outs] == ["3.0", "3.0"], (attempt, outs)
