@@ -137,6 +137,8 @@ def test_internals_used_by_the_step_loop_callbacks():
     # callbacks/monitor.py and checkpoint.py: where an epoch is, and when each callback reads its metric
     assert isinstance(epoch_loop.batch_progress.current.completed, int)
     assert isinstance(epoch_loop.batch_progress.is_last_batch, bool)
+    # callbacks/tensorboard.py: the step Lightning logs an epoch's validation scalars at
+    assert isinstance(epoch_loop._batches_that_stepped, int)
     assert hasattr(EarlyStopping(monitor="x"), "_check_on_train_epoch_end")
     assert callable(ModelCheckpoint()._should_save_on_train_epoch_end)
     # strategies/fsdp.py: meta-device modules materialized after sharding

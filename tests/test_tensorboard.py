@@ -242,3 +242,24 @@ def test_a_logger_rebuilt_from_a_pickle_uses_the_fast_checksums_too(tmp_path, mo
     monkeypatch.setattr(record_writer, "masked_crc32c", tensorboards)  # a fresh process
     logger = pickle.loads(pickled)
     assert record_writer.masked_crc32c is masked_crc32c and logger.save_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("interval", [None, 0])
+def test_figures_come_at_most_every_min_interval_and_always_for_the_last_epoch(make_cfg, interval):
+    """TensorBoard shows 10 images of a tag (it samples the rest), and drawing them cost a 0.2 s epoch about 15 ms
+    (benchmarks/step_loop.py): epochs shorter than `min_interval_s` (10 s) get figures only every so often. The
+    first and the last epoch's always come; `min_interval_s=0` draws every epoch."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from project.tasks.training import train
+
+    extra = [] if interval is None else [f"callbacks.tensorboard.min_interval_s={interval}"]
+    cfg = make_cfg("profile=tiny", "model=mlp", "test=false", "trainer.max_epochs=4", *extra)
+    train(cfg)
+    (events,) = Path(cfg.paths.output_dir).glob("tensorboard/events.out.tfevents.*")
+    run = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0}).Reload()
+    epochs = [e.step for e in run.Scalars("val/acc")]
+    assert len(epochs) == 4
+    for tag in ("val/samples", "val/confusion_matrix"):
+        drawn = [e.step for e in run.Images(tag)]
+        assert drawn == (epochs if interval == 0 else [epochs[0], epochs[-1]]), tag

@@ -5,9 +5,15 @@ The sample grid and the confusion matrix are a classifier's: they are drawn from
 `{"preds": ..., "target": ...}` (ImageClassifier does). A module of another task draws its own figures (the
 autoencoder logs its reconstructions); the log says once that these two are not drawn for it. Everything is
 written by rank 0 to the first TensorBoard logger; without one the callback does nothing.
+
+The sample grid and the confusion matrix come at most every `min_interval_s` seconds (10): TensorBoard shows 10
+images of a tag and samples away the rest, and drawing and encoding the pair cost the 0.2 s epochs of the MLP about
+15 ms each (benchmarks/step_loop.py). Epochs longer than that get theirs every epoch. The first and the last epoch's
+always come, so the run's final state is there; their step is the one of the epoch's validation scalars.
 """
 
 import logging
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -15,6 +21,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from project.strategies.parallelize import net_of
@@ -39,7 +46,8 @@ def _one_process(trainer: L.Trainer) -> bool:
 class TensorBoardInsights(L.Callback):
     """`images`: a grid of validation digits with predicted and true labels; `confusion_matrix`: the
     validation epoch's; `graph`: the net's graph, once (one-process strategies); `histograms`: weights and
-    gradients (off by default: they grow the event files); each every `every_n_epochs`."""
+    gradients (off by default: they grow the event files); each every `every_n_epochs`, and the images at most
+    every `min_interval_s` seconds but always for the last epoch (the module docstring)."""
 
     def __init__(
         self,
@@ -49,11 +57,17 @@ class TensorBoardInsights(L.Callback):
         histograms: bool = False,
         every_n_epochs: int = 1,
         samples: int = 32,
+        min_interval_s: float = 10.0,
     ) -> None:
         if every_n_epochs < 1 or samples < 1:
             raise ValueError(f"every_n_epochs and samples must be >= 1, got {every_n_epochs} and {samples}")
+        if not min_interval_s >= 0:
+            raise ValueError(f"min_interval_s must be >= 0 seconds, got {min_interval_s}")
         self.images, self.confusion_matrix, self.graph = images, confusion_matrix, graph
         self.histograms, self.every_n_epochs, self.samples = histograms, every_n_epochs, samples
+        self.min_interval_s = min_interval_s
+        self._drawn_at: float | None = None  # when the last figures were handed to the drawing thread
+        self._undrawn: Any = None  # the newest epoch's figures, when they were not drawn: drawn at the end of fit
         self._matrix: Tensor | None = None
         self._grid: tuple[Tensor, Tensor, Tensor] | None = None
         self._graph_done = False
@@ -67,6 +81,8 @@ class TensorBoardInsights(L.Callback):
             future.result()  # a drawing error is raised here, not lost
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._undrawn is not None:  # the last epoch came sooner than min_interval_s after the figures before
+            self._draw(*self._undrawn)
         self._finish_drawing()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -123,15 +139,29 @@ class TensorBoardInsights(L.Callback):
         # The drawing thread gets numpy arrays and lists only: a torch op in a second thread would start a second
         # OpenMP thread team, and with more OpenMP threads than cores libgomp stops spinning, which made every
         # later training step of the process up to 3x slower on 2 cores (benchmarks/step_loop.py).
-        from project.loggers import figures
-
-        step, grid = trainer.global_step, None
+        step, grid = trainer.fit_loop.epoch_loop._batches_that_stepped, None  # that of the epoch's val/ scalars
         counts = matrix.cpu().numpy() if matrix is not None else None
         if self._grid is not None:
             images, preds, targets = self._grid
             grid = (images.float().mean(1).cpu().numpy(), preds.cpu().tolist(), targets.cpu().tolist())
+        self._undrawn = None
+        if grid is not None or counts is not None:
+            now = time.monotonic()
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            if self._drawn_at is None or now - self._drawn_at >= self.min_interval_s or not fitting:
+                self._drawn_at = now
+                self._draw(writer, step, grid, counts)
+            else:
+                self._undrawn = (writer, step, grid, counts)
+        if self.histograms and _one_process(trainer):
+            for name, param in pl_module.named_parameters():
+                writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
 
-        def draw() -> None:  # in a thread of its own: training goes on meanwhile
+    def _draw(self, writer: Any, step: int, grid: tuple | None, counts: Any) -> None:
+        """Draws and writes the figures in a thread of its own: training goes on meanwhile."""
+        from project.loggers import figures
+
+        def draw() -> None:
             if grid is not None:
                 summary = figures.image_summary("val/samples", figures.sample_grid(*grid))
                 writer._get_file_writer().add_summary(summary, step)
@@ -142,9 +172,6 @@ class TensorBoardInsights(L.Callback):
         if self._painter is None:
             self._painter = ThreadPoolExecutor(1, thread_name_prefix="tensorboard-figures")
         self._drawing.append(self._painter.submit(draw))
-        if self.histograms and _one_process(trainer):
-            for name, param in pl_module.named_parameters():
-                writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
