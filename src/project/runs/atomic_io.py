@@ -26,6 +26,7 @@ training thread. The cost: up to two copies of the checkpoint in memory until th
 import io
 import logging
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -70,13 +71,40 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
         remove_stale_partials(target.parent)
     except OSError as e:
         del checkpoint  # a snapshot is not kept alive by the error's traceback
-        kept = "the previous one is unchanged" if target.exists() else "nothing was written there"
-        raise UserError(
-            f"{target}: the checkpoint could not be written ({e.strerror or e}); {kept}. Make room or write elsewhere: "
-            "paths.output_dir, or callbacks.model_checkpoint.dirpath and callbacks.last_checkpoint.dirpath"
-        ) from e
+        raise _not_written(target, e) from e
     finally:
         _remove(partial)
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """`target` as the checkpoint file `source`: a hard link beside it, renamed over `target` (no second write;
+    checkpoint files are only ever replaced, never changed in place, so the two names stay the same bytes), or a
+    copy, fsynced, where the filesystem has no links."""
+    partial = partial_path(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, partial)
+        except OSError:  # no hard links on this filesystem, or another filesystem
+            _remove(partial)
+            shutil.copyfile(source, partial)
+            with open(partial, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(partial, target)
+        fsync_dir(target.parent)
+        remove_stale_partials(target.parent)
+    except OSError as e:
+        raise _not_written(target, e) from e
+    finally:
+        _remove(partial)
+
+
+def _not_written(target: Path, error: OSError) -> UserError:
+    kept = "the previous one is unchanged" if target.exists() else "nothing was written there"
+    return UserError(
+        f"{target}: the checkpoint could not be written ({error.strerror or error}); {kept}. Make room or write "
+        "elsewhere: paths.output_dir, or callbacks.model_checkpoint.dirpath and callbacks.last_checkpoint.dirpath"
+    )
 
 
 def _remove(partial: Path) -> None:
@@ -212,6 +240,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         snapshot = io.BytesIO()  # the state as it is now: the next steps change the weights
         torch.save(checkpoint, snapshot)
         self._submit(self._write_unless_failed, self._pending, snapshot.getbuffer(), Path(path), write=True)
+
+    def save_copy(self, source: Any, path: Any) -> None:
+        """`path` as the checkpoint file `source` this process saved just before (project.callbacks.checkpoint:
+        last.ckpt when the best file holds the same state): copy_atomically, after `source` is written."""
+        if not self._in_background(path):
+            self.wait()
+            return copy_atomically(Path(source), Path(path))
+        self._wait_for_older_writes()
+        if any(future.done() and future.exception() for future in self._pending):
+            self.wait()
+        self._submit(self._copy_unless_failed, self._pending, Path(source), Path(path), write=True)
+
+    @staticmethod
+    def _copy_unless_failed(before: tuple[Future, ...], source: Path, path: Path) -> None:
+        failed = next((e for e in (future.exception() for future in before) if e is not None), None)  # all done
+        if failed is not None:
+            raise failed
+        copy_atomically(source, path)
 
     @staticmethod
     def _write_unless_failed(before: tuple[Future, ...], checkpoint: Any, path: Path) -> None:
