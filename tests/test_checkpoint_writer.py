@@ -12,6 +12,15 @@ from user_models import LIT_AUTOENCODER
 
 from project.errors import UserError
 
+# Lightning's README autoencoder as a user writes it, 3 short epochs on the CPU
+USERS_MODULE_3_EPOCHS = (
+    *LIT_AUTOENCODER,
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=3",
+    "+trainer.limit_train_batches=4",
+    "test=false",
+)
+
 
 def test_checkpoints_written_in_the_background_are_snapshots_in_order_and_fail_loudly(tmp_path, monkeypatch):
     """project.runs.atomic_io: a save of the file in_background() names is serialized at once (later changes to
@@ -296,13 +305,7 @@ def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_c
         "replace",
         lambda *a, **k: (written.append((threading.current_thread().name, Path(a[1]).name)), replace(*a, **k)),
     )
-    cfg = make_cfg(
-        *LIT_AUTOENCODER,
-        "trainer.accelerator=cpu",
-        "trainer.max_epochs=3",
-        "+trainer.limit_train_batches=4",
-        "test=false",
-    )
+    cfg = make_cfg(*USERS_MODULE_3_EPOCHS)
     train(cfg)
     checkpoints = [(thread, name) for thread, name in written if name.endswith(".ckpt")]
     assert {thread for thread, _ in checkpoints} == {"checkpoint-writer_0"} and len(checkpoints) >= 4, written
@@ -409,13 +412,7 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
     monkeypatch.setattr(_CheckpointConnector, "dump_checkpoint", lambda self, *a: (dumps.append(1), dump(self, *a))[1])
     if not links:
         monkeypatch.setattr(atomic_io.os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
-    cfg = make_cfg(
-        *LIT_AUTOENCODER,
-        "trainer.accelerator=cpu",
-        "trainer.max_epochs=3",
-        "+trainer.limit_train_batches=4",
-        "test=false",
-    )
+    cfg = make_cfg(*USERS_MODULE_3_EPOCHS)
     train(cfg)
     folder = tmp_path / "out" / "checkpoints"
     (best,) = [p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"]
