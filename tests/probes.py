@@ -302,3 +302,13 @@ class NanGradientAt(L.Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         if trainer.global_step == int(os.environ.get("NAN_GRAD_AT_STEP", "-1")):
             next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+
+class DiskGoneReadOnlyAt(L.Callback):
+    """$READ_ONLY_AT_EPOCH=<e>: at the end of epoch e a write fails as on a disk remounted read-only mid-run."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == int(os.environ.get("READ_ONLY_AT_EPOCH", "-1")):
+            import errno
+
+            raise OSError(errno.EROFS, "Read-only file system", str(Path(trainer.default_root_dir) / "events.out"))

@@ -354,3 +354,44 @@ def test_devices_lists_every_visible_gpu(monkeypatch):
     assert lines[0] == "CUDA_VISIBLE_DEVICES: (empty: no GPU is visible)"
     assert [line.split()[0] for line in lines if line.startswith("  cuda:")] == ["cuda:0", "cuda:1"]
     assert "  cuda:1  Fake GPU  80.0 GiB  compute capability 9.0" in lines
+
+
+def test_an_error_whose_chain_leads_back_to_itself_ends_the_run(cli, tmp_path):
+    """Lightning's "you tried to log ..." ValueError is caused by the logger's OSError, whose context is that same
+    ValueError when the logger fails again while it is reported (TensorBoard on a disk made read-only mid-run): the
+    search for a UserError in the chain went round it at 100% CPU, and the run never ended. Checked in a thread, so a
+    regression fails here rather than hanging the suite."""
+    import threading
+
+    from project.errors import UserError, user_error_in
+
+    logged = ValueError("you tried to log a value")
+    disk = OSError(30, "Read-only file system")
+    logged.__cause__, disk.__context__ = disk, logged
+    found: list[object] = []
+    search = threading.Thread(target=lambda: found.append(user_error_in(logged)), daemon=True)
+    search.start()
+    search.join(timeout=10)
+    assert found == [None]
+    wrapped = RuntimeError("hydra")
+    wrapped.__cause__, mine = logged, UserError("fix it")
+    disk.__context__ = mine  # the loop broken by a UserError further down: found
+    assert user_error_in(wrapped) is mine
+
+
+def test_a_disk_that_turns_read_only_mid_run_is_one_line_and_keeps_what_was_written(cli, tmp_path):
+    """A logger's or a data set's write that a full or read-only disk stops ends the run like the template's own
+    writes do: one line naming the file and the fix, exit 2, the checkpoints written before it left in place."""
+    proc = cli(
+        "train.py",
+        "trainer.max_epochs=3",
+        "+callbacks.disk._target_=probes.DiskGoneReadOnlyAt",
+        check=False,
+        env={"PROJECT_PROFILE": "tiny", "READ_ONLY_AT_EPOCH": "1"},
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and lines[0].endswith(
+        "events.out: could not be written (Read-only file system); make room, or write elsewhere: paths.output_dir"
+    )
+    assert list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt"))

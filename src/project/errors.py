@@ -1,6 +1,9 @@
 """The one exception type for mistakes a user can fix (config, paths, hardware), and how it ends a process."""
 
+import errno
+import os
 import sys
+from collections.abc import Iterator
 from typing import NoReturn
 
 
@@ -24,9 +27,26 @@ def exit_with(error: UserError) -> NoReturn:
 
 def user_error_in(error: BaseException) -> UserError | None:
     """A UserError raised inside a resolver or a Hydra callback arrives wrapped by OmegaConf or Hydra."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, UserError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
+    return next((e for e in _chain(error) if isinstance(e, UserError)), None)
+
+
+def disk_error_in(error: BaseException) -> UserError | None:
+    """A write that a full or read-only disk stopped, anywhere in the chain (a logger's, a data set's): one line
+    naming the file and the fix, as the template's own writes say it."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            where = f"{os.fsdecode(e.filename)}: " if e.filename else ""
+            return UserError(
+                f"{where}could not be written ({e.strerror}); make room, or write elsewhere: paths.output_dir"
+            )
     return None
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    """`error`, its cause (or context), theirs, ...; each once: a chain may lead back into itself (an error raised
+    while another is reported, that one's cause: Lightning's logging on a disk made read-only)."""
+    visited: set[int] = set()
+    while error is not None and id(error) not in visited:
+        yield error
+        visited.add(id(error))
+        error = error.__cause__ or error.__context__

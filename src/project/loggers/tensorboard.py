@@ -79,6 +79,29 @@ def use_fast_checksums() -> None:
         record_writer.masked_crc32c = masked_crc32c
 
 
+def leave_writer_disk_errors_to_the_run() -> None:
+    """A write that a full or read-only disk stops in TensorBoard's event-writer thread is kept by the writer and
+    raised again at the training thread's next write, where the run ends with one line naming the file
+    (project.errors.disk_error_in); the thread's own traceback, printed first, is left out. Other errors, and
+    other threads', are printed as before."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    from project.errors import disk_error_in
+
+    previous = threading.excepthook
+    if getattr(previous, "leaves_writer_disk_errors", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and args.exc_value and disk_error_in(args.exc_value)):
+            previous(args)
+
+    hook.leaves_writer_disk_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class TensorBoardLogger(LightningTensorBoardLogger):
     """`hparams`: dotted keys of the run config shown in the HParams tab; `metrics`: the metrics beside them."""
 
@@ -94,6 +117,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     ) -> None:
         version = sweep_job_name() if version is None else version
         use_fast_checksums()
+        leave_writer_disk_errors_to_the_run()
         super().__init__(save_dir, name=name, version=version, log_graph=log_graph, default_hp_metric=False, **kwargs)
         self.hparam_keys, self.metric_names = list(hparams), list(metrics)
         self._summary_written = False
@@ -102,6 +126,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         use_fast_checksums()  # a spawned process (ddp_spawn) rebuilds the logger from a pickle, not __init__
+        leave_writer_disk_errors_to_the_run()
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, metrics: Any = None, step: int | None = None) -> None:
