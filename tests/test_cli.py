@@ -384,7 +384,7 @@ def test_a_disk_that_turns_read_only_mid_run_is_one_line_and_keeps_what_was_writ
     writes do: one line naming the file and the fix, exit 2, the checkpoints written before it left in place."""
     proc = cli(
         "train.py",
-        "trainer.max_epochs=3",
+        "trainer.max_epochs=2",
         "+callbacks.disk._target_=probes.DiskGoneReadOnlyAt",
         check=False,
         env={"PROJECT_PROFILE": "tiny", "READ_ONLY_AT_EPOCH": "1"},
