@@ -312,3 +312,19 @@ class DiskGoneReadOnlyAt(L.Callback):
             import errno
 
             raise OSError(errno.EROFS, "Read-only file system", str(Path(trainer.default_root_dir) / "events.out"))
+
+
+class DiskFullInCheckpointWritesAt(L.Callback):
+    """$DISK_FULL_AT_EPOCH=<e>: from epoch e on, the checkpoint files' renames fail as on a full disk."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == int(os.environ.get("DISK_FULL_AT_EPOCH", "-1")):
+            import errno
+            import types
+
+            from project.runs import atomic_io
+
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            atomic_io.os = types.SimpleNamespace(**{**vars(os), "replace": full})

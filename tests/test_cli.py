@@ -395,3 +395,18 @@ def test_a_disk_that_turns_read_only_mid_run_is_one_line_and_keeps_what_was_writ
         "events.out: could not be written (Read-only file system); make room, or write elsewhere: paths.output_dir"
     )
     assert list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt"))
+
+
+def test_a_full_disk_in_a_checkpoint_write_keeps_the_templates_own_words(cli, tmp_path):
+    """The checkpoint writer's message (which file, that the previous one is unchanged, where else to write) is the
+    one line, not the generic one for a disk error found in its cause."""
+    proc = cli(
+        "train.py",
+        "trainer.max_epochs=2",
+        "+callbacks.disk._target_=probes.DiskFullInCheckpointWritesAt",
+        check=False,
+        env={"PROJECT_PROFILE": "tiny", "DISK_FULL_AT_EPOCH": "1"},
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "checkpoints/" in lines[0] and ".ckpt: the checkpoint could not be written (No space left" in lines[0], lines

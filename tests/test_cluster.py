@@ -248,7 +248,11 @@ def test_torchrun_restarts_never_meet_the_previous_attempts_addresses(tmp_path):
         }
         return start([python, str(script)], env, tmp_path)
 
+    decoy = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    decoy.set("project/token", "not-this-attempts")
     for attempt in range(2):
+        if attempt:  # a live store at the published port, of someone else: not taken
+            agent.set("project/store_of_this_attempt", f"{decoy.port} this-attempts-rank-0-never-wrote-this")
         first = rank(1, attempt) if attempt else rank(0, attempt)
         second = rank(0, attempt, AFTER=str(tmp_path / f"ready1-{attempt}")) if attempt else rank(1, attempt)
         try:

@@ -31,22 +31,25 @@ def user_error_in(error: BaseException) -> UserError | None:
 
 
 def disk_error_in(error: BaseException) -> UserError | None:
-    """A write that a full or read-only disk stopped, anywhere in the chain (a logger's, a data set's): one line
-    naming the file and the fix, as the template's own writes say it."""
-    for e in _chain(error):
+    """A write that a full or read-only disk stopped (a logger's, a data set's), as the error or what caused it: one
+    line naming the file and the fix. Not an error raised while a disk error was handled (a bug's traceback stays),
+    and not one the template already said in its own words (a UserError: its checkpoint writes)."""
+    for e in _chain(error, causes_only=True):
+        if isinstance(e, UserError):
+            return None
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
-            where = f"{os.fsdecode(e.filename)}: " if e.filename else ""
+            where = f"{os.fsdecode(e.filename)}: " if e.filename else "a file: "
             return UserError(
-                f"{where}could not be written ({e.strerror}); make room, or write elsewhere: paths.output_dir"
+                f"{where}could not be written ({e.strerror or e}); make room, or write elsewhere: paths.output_dir"
             )
     return None
 
 
-def _chain(error: BaseException | None) -> Iterator[BaseException]:
+def _chain(error: BaseException | None, causes_only: bool = False) -> Iterator[BaseException]:
     """`error`, its cause (or context), theirs, ...; each once: a chain may lead back into itself (an error raised
     while another is reported, that one's cause: Lightning's logging on a disk made read-only)."""
     visited: set[int] = set()
     while error is not None and id(error) not in visited:
         yield error
         visited.add(id(error))
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ if causes_only else error.__cause__ or error.__context__

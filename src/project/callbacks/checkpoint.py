@@ -11,11 +11,13 @@ when a logger uploads checkpoint files as they are saved (`log_model` of Lightni
 `log_model_checkpoints` of Neptune's): those read the file at once, so it is written before they hear of it.
 
 When an epoch's checkpoint is the best so far, the best file and last.ckpt are saved one right after the other and
-hold the same state: last.ckpt is then made from the best file (a hard link, or a copy where the filesystem has
-none) instead of collecting and serializing the state a second time (3-4 ms of the MLP's 0.2 s epochs, about
-0.2 s for ResNet-18: benchmarks/per_call.py). Only when nothing can run between the two saves: the best callback
-comes right before last.ckpt's in the callback list (as in conf/callbacks/model_checkpoint.yaml) and saved in
-the same hook call, with the same `save_weights_only`, to single local files.
+hold the same state, but for last.ckpt's own callback state as it was before its save (after the first epoch it
+names last.ckpt either way; what a resume reads of it). last.ckpt is then made from the best file (a hard link, or
+a copy where the filesystem has none) instead of collecting and serializing the state a second time (3-4 ms of
+the MLP's 0.2 s epochs, about 0.2 s for ResNet-18: benchmarks/per_call.py), and the on_save_checkpoint hooks run
+once. Only when nothing can run between the two saves: the best callback comes right before last.ckpt's in the
+callback list (as in conf/callbacks/model_checkpoint.yaml) and saved in the same hook call, with the same
+`save_weights_only`, to single local files.
 """
 
 from collections.abc import Iterator
@@ -84,6 +86,14 @@ class BestCheckpoint(WrittenInBackground):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._called = object()
         super().on_validation_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._called = object()
+        super().on_train_end(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._called = object()  # last.ckpt's save_on_exception comes after it: never a link to an older best file
+        super().on_exception(trainer, pl_module, exception)
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)

@@ -81,9 +81,13 @@ class TensorBoardInsights(L.Callback):
             future.result()  # a drawing error is raised here, not lost
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._undrawn is not None:  # the last epoch came sooner than min_interval_s after the figures before
-            self._draw(*self._undrawn)
+        undrawn, self._undrawn = self._undrawn, None
+        if undrawn is not None:  # the last epoch came sooner than min_interval_s after the figures before
+            self._draw(*undrawn)
         self._finish_drawing()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._drawn_at, self._undrawn = None, None  # each fit's first epoch has its figures
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._finish_drawing()
