@@ -379,19 +379,25 @@ def test_an_error_whose_chain_leads_back_to_itself_ends_the_run(cli, tmp_path):
     assert user_error_in(wrapped) is mine
 
 
-def test_a_disk_that_turns_read_only_mid_run_is_one_line_and_keeps_what_was_written(cli, tmp_path):
-    """A logger's or a data set's write that a full or read-only disk stops ends the run like the template's own
-    writes do: one line naming the file and the fix, exit 2, the checkpoints written before it left in place."""
+def _the_one_error_line_of_a_run_with(cli, probe: str, **env: str) -> str:
+    """A 2-epoch tiny run with `probes.<probe>` added: exit 2 and one line on stderr, which is returned."""
     proc = cli(
         "train.py",
         "trainer.max_epochs=2",
-        "+callbacks.disk._target_=probes.DiskGoneReadOnlyAt",
+        f"+callbacks.disk._target_=probes.{probe}",
         check=False,
-        env={"PROJECT_PROFILE": "tiny", "READ_ONLY_AT_EPOCH": "1"},
+        env={"PROJECT_PROFILE": "tiny", **env},
     )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert lines[0].startswith("error: ") and lines[0].endswith(
+    return lines[0]
+
+
+def test_a_disk_that_turns_read_only_mid_run_is_one_line_and_keeps_what_was_written(cli, tmp_path):
+    """A logger's or a data set's write that a full or read-only disk stops ends the run like the template's own
+    writes do: one line naming the file and the fix, exit 2, the checkpoints written before it left in place."""
+    line = _the_one_error_line_of_a_run_with(cli, "DiskGoneReadOnlyAt", READ_ONLY_AT_EPOCH="1")
+    assert line.startswith("error: ") and line.endswith(
         "events.out: could not be written (Read-only file system); make room, or write elsewhere: paths.output_dir"
     )
     assert list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt"))
@@ -400,13 +406,5 @@ def test_a_disk_that_turns_read_only_mid_run_is_one_line_and_keeps_what_was_writ
 def test_a_full_disk_in_a_checkpoint_write_keeps_the_templates_own_words(cli, tmp_path):
     """The checkpoint writer's message (which file, that the previous one is unchanged, where else to write) is the
     one line, not the generic one for a disk error found in its cause."""
-    proc = cli(
-        "train.py",
-        "trainer.max_epochs=2",
-        "+callbacks.disk._target_=probes.DiskFullInCheckpointWritesAt",
-        check=False,
-        env={"PROJECT_PROFILE": "tiny", "DISK_FULL_AT_EPOCH": "1"},
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert "checkpoints/" in lines[0] and ".ckpt: the checkpoint could not be written (No space left" in lines[0], lines
+    line = _the_one_error_line_of_a_run_with(cli, "DiskFullInCheckpointWritesAt", DISK_FULL_AT_EPOCH="1")
+    assert "checkpoints/" in line and ".ckpt: the checkpoint could not be written (No space left" in line, line
