@@ -263,37 +263,3 @@ def test_figures_come_at_most_every_min_interval_and_always_for_the_last_epoch(m
     for tag in ("val/samples", "val/confusion_matrix"):
         drawn = [e.step for e in run.Images(tag)]
         assert drawn == (epochs if interval == 0 else [epochs[0], epochs[-1]]), tag
-
-
-def test_a_disk_error_in_the_event_writer_thread_is_left_to_the_runs_one_line(tmp_path, monkeypatch):
-    """TensorBoard's writer thread keeps a failed write's error and raises it again at the training thread's next
-    write (where the run ends in one line: tests/test_cli.py); the thread's own traceback is no longer printed first.
-    Other errors of that thread still are."""
-    import errno
-    import threading
-
-    from tensorboard.summary.writer import record_writer
-
-    from project.loggers.tensorboard import TensorBoardLogger
-
-    printed: list[BaseException] = []
-    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))  # prints, as Python's
-    logger = TensorBoardLogger(str(tmp_path))
-    logger.experiment.add_scalar("a", 1.0, 0)
-    logger.experiment.flush()
-
-    def read_only(self, data):
-        raise OSError(errno.EROFS, "Read-only file system", "events.out")
-
-    monkeypatch.setattr(record_writer.RecordWriter, "write", read_only)
-    deadline = time.time() + 10
-    with pytest.raises(OSError, match="Read-only file system"):
-        while time.time() < deadline:  # the thread's error comes back at one of the next writes
-            logger.experiment.add_scalar("a", 2.0, 1)
-            logger.experiment.flush()
-            time.sleep(0.05)
-    assert printed == []
-    other = threading.Thread(target=lambda: 1 / 0)
-    other.start()
-    other.join()
-    assert [type(e) for e in printed] == [ZeroDivisionError]
