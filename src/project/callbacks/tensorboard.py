@@ -7,9 +7,10 @@ autoencoder logs its reconstructions); the log says once that these two are not 
 written by rank 0 to the first TensorBoard logger; without one the callback does nothing.
 
 The sample grid and the confusion matrix come at most every `min_interval_s` seconds (10): TensorBoard shows 10
-images of a tag and samples away the rest, and drawing and encoding the pair cost the 0.2 s epochs of the MLP about
-15 ms each (benchmarks/step_loop.py). Epochs longer than that get theirs every epoch. The first and the last epoch's
-always come, so the run's final state is there; their step is the one of the epoch's validation scalars.
+images of a tag and samples away the rest, and drawing and encoding the pair every epoch cost the MLP's 0.2 s epochs
+about 18 ms each (benchmarks/step_loop.py's template with and without them, before this limit). Epochs longer than
+that get theirs every epoch. The first and the last epoch's always come, so the run's final state is there; their
+step is the one of the epoch's validation scalars.
 """
 
 import logging

@@ -66,9 +66,7 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
                 torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, target)
-        fsync_dir(target.parent)
-        remove_stale_partials(target.parent)
+        _into_place(partial, target)
     except OSError as e:
         del checkpoint  # a snapshot is not kept alive by the error's traceback
         raise _not_written(target, e) from e
@@ -90,13 +88,19 @@ def copy_atomically(source: Path, target: Path) -> None:
             shutil.copyfile(source, partial)
             with open(partial, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(partial, target)
-        fsync_dir(target.parent)
-        remove_stale_partials(target.parent)
+        _into_place(partial, target)
     except OSError as e:
         raise _not_written(target, e) from e
     finally:
         _remove(partial)
+
+
+def _into_place(partial: Path, target: Path) -> None:
+    """The written temporary file renamed over `target`, the rename made durable, and killed writers' leftovers
+    removed."""
+    os.replace(partial, target)
+    fsync_dir(target.parent)
+    remove_stale_partials(target.parent)
 
 
 def _not_written(target: Path, error: OSError) -> UserError:
@@ -156,6 +160,11 @@ def write_file(target: Path, write: Callable[[Path], object], fix: str) -> None:
         _remove(partial)
 
 
+def _first_failure(jobs: tuple[Future, ...]) -> BaseException | None:
+    """The error of the first of `jobs` (all done) that failed."""
+    return next((e for e in (job.exception() for job in jobs) if e is not None), None)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Local paths: written atomically, by the writer thread inside `in_background()`. Others (`s3://...`, storage
     options): Lightning's. A checkpoint the run already read (`hand_over`) is not read again when Lightning
@@ -195,7 +204,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def _settle(self, jobs: int) -> None:
         """Waits for the first `jobs` jobs handed over, in order. A failure is raised once: the jobs after it only
-        repeat it (_write_unless_failed) or skip (_remove_unless_failed). A Ctrl-C while waiting keeps the rest for
+        repeat it (_unless_failed) or skip (_remove_unless_failed). A Ctrl-C while waiting keeps the rest for
         teardown, which still reports their failure."""
         for _ in range(jobs):
             try:
@@ -234,12 +243,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return write_atomically(checkpoint, Path(path))
         import torch
 
-        self._wait_for_older_writes()  # so at most two copies in memory: the one being written and this one
-        if any(future.done() and future.exception() for future in self._pending):
-            self.wait()  # the epoch's best file failed to write: the run ends here, as it would have waited for it
+        self._before_a_background_write()
         snapshot = io.BytesIO()  # the state as it is now: the next steps change the weights
         torch.save(checkpoint, snapshot)
-        self._submit(self._write_unless_failed, self._pending, snapshot.getbuffer(), Path(path), write=True)
+        self._submit(self._unless_failed, self._pending, write_atomically, snapshot.getbuffer(), Path(path), write=True)
 
     def save_copy(self, source: Any, path: Any) -> None:
         """`path` as the checkpoint file `source` this process saved just before (project.callbacks.checkpoint:
@@ -247,27 +254,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not self._in_background(path):
             self.wait()
             return copy_atomically(Path(source), Path(path))
-        self._wait_for_older_writes()
+        self._before_a_background_write()
+        self._submit(self._unless_failed, self._pending, copy_atomically, Path(source), Path(path), write=True)
+
+    def _before_a_background_write(self) -> None:
+        self._wait_for_older_writes()  # so at most two copies in memory: the one being written and the next
         if any(future.done() and future.exception() for future in self._pending):
-            self.wait()
-        self._submit(self._copy_unless_failed, self._pending, Path(source), Path(path), write=True)
+            self.wait()  # the epoch's best file failed to write: the run ends here, as it would have waited for it
 
     @staticmethod
-    def _copy_unless_failed(before: tuple[Future, ...], source: Path, path: Path) -> None:
-        failed = next((e for e in (future.exception() for future in before) if e is not None), None)  # all done
+    def _unless_failed(before: tuple[Future, ...], write: Callable[..., None], *args: Any) -> None:
+        """`write(*args)`, in the writer thread, unless a job before it failed: nothing is written after a write that
+        failed (last.ckpt must not name a best file that is not on disk). The failure is raised again, so the run
+        ends at the next save or at teardown."""
+        failed = _first_failure(before)
         if failed is not None:
+            del args  # a snapshot is not kept alive by the traceback of the error raised again
             raise failed
-        copy_atomically(source, path)
-
-    @staticmethod
-    def _write_unless_failed(before: tuple[Future, ...], checkpoint: Any, path: Path) -> None:
-        """Nothing is written after a write that failed: last.ckpt must not name a best file that is not on disk.
-        The failure is raised again, so the run ends at the next save or at teardown."""
-        failed = next((e for e in (future.exception() for future in before) if e is not None), None)  # all done
-        if failed is not None:
-            del checkpoint  # not kept alive by the traceback of the error raised again
-            raise failed
-        write_atomically(checkpoint, path)
+        write(*args)
 
     def remove_checkpoint(self, path: Any) -> None:
         if self._in_background(path):  # after the save that replaces it, in the writer thread: never neither of them
@@ -277,7 +281,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def _remove_unless_failed(self, before: tuple[Future, ...], path: Any) -> None:
         """A replaced file goes only once what replaces it is written (a full disk keeps the old best file)."""
-        if not any(future.exception() for future in before):
+        if _first_failure(before) is None:
             try:
                 super().remove_checkpoint(path)
             except OSError as e:
