@@ -95,6 +95,46 @@ def test_weights_changed_in_place_since_the_agreement_are_agreed_on_again():
     assert not checks._agreed_on_this(trainer, module)
 
 
+def test_a_steps_checks_and_loss_mean_cost_two_tensor_ops_each():
+    """Each tensor op a step adds costs it about 5 µs inside a fit (3-6 times a bare loop's figure: the step's own
+    work has the caches), on steps of 2-3 ms (benchmarks/step_loop.py's MLP). Between agreements the checks
+    detach the step's float32 loss and add it to their sum; the loss mean adds a step's detached loss and counts it.
+    They were 4 and 5 ops. An fp16 loss is still summed as float32 (its own sum would overflow)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from project.callbacks.checks import RunChecks
+    from project.models.metrics import Mean
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    checks, mean = RunChecks(every_n_steps=20), Mean()
+    trainer = SimpleNamespace(global_step=3)
+    weight = torch.ones((), requires_grad=True)
+    checks.on_train_batch_end(trainer, None, weight * 2, None, 0)
+    with Ops() as step:
+        checks.on_train_batch_end(trainer, None, weight * 3, None, 1)  # the ops of the multiplication are not ours
+    assert [op for op in step.ops if op != "mul"] == ["detach", "add"]
+    assert float(checks._losses) == 5.0
+    loss = (weight * 4).detach()
+    with Ops() as update:
+        mean.update(loss)
+    assert update.ops == ["add_", "add_"] and float(mean.compute()) == 4.0
+    checks.on_train_batch_end(trainer, None, torch.tensor(60000.0, dtype=torch.float16), None, 2)
+    assert checks._losses.dtype == torch.float32 and float(checks._losses) == 60005.0
+    mean.update(torch.tensor([1.0, 3.0], dtype=torch.float64))  # a vector counts each of its values
+    assert float(mean.compute()) == pytest.approx((4.0 + 1.0 + 3.0) / 3)
+
+
 def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(make_cfg, monkeypatch):
     """Lightning makes every torch.cuda.is_available() ask NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1, set when it is
     imported), and torch's optimizers ask on every step: without a GPU nothing caches the answer, and each step tried

@@ -50,13 +50,15 @@ def _requeued_by_lightning(trainer: L.Trainer) -> bool:
     return type(environment).__name__ == "SLURMEnvironment" and bool(getattr(environment, "auto_requeue", False))
 
 
-def _finite(tensors: list[Any]) -> torch.Tensor | None:
-    """One device bool: every element of every tensor is finite (a sum of norms is inf or nan when any is)."""
+def _norm_sum(tensors: list[Any], device: torch.device) -> torch.Tensor:
+    """One float32 number on `device`, inf or nan when any element of any tensor is not finite: the sum of their
+    norms (0 for none)."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP's DTensors: this rank's shard
     local = [t for t in local if t.numel()]
     if not local:
-        return None
-    return torch.stack([n.float() for n in torch._foreach_norm(local)]).sum().isfinite()
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(local)  # one norm per tensor, in its dtype (a cast only where it is not float32)
+    return torch.stack([n if n.dtype == torch.float32 else n.float() for n in norms]).sum().to(device)
 
 
 def _versions(module: L.LightningModule) -> int:
@@ -88,8 +90,11 @@ class RunChecks(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            # a sum of the losses is not finite once any of them was not: one addition a step, on the device
-            loss = loss.detach().float().sum()
+            # a sum of the losses is not finite once any of them was not: one addition a step, on the device (a
+            # cast and a sum only for a loss that is not one float32 number: an fp16 sum would overflow)
+            loss = loss.detach()
+            if loss.dtype != torch.float32 or loss.ndim:
+                loss = loss.float().sum()
             self._losses = loss if self._losses is None else self._losses + loss
             self._last = loss
         step = trainer.global_step
@@ -104,12 +109,14 @@ class RunChecks(L.Callback):
         if self._stopping:
             return
         device = trainer.strategy.root_device
-        weights = _finite([p.detach() for p in pl_module.parameters()])
-        losses = self._losses.isfinite() if self._losses is not None else None
-        flags = [torch.ones((), device=device) if f is None else f.to(device, torch.float32) for f in (losses, weights)]
-        last = self._last.to(device) if self._last is not None else torch.zeros((), device=device)
-        signum = torch.tensor(float(self.signum if signals else 0), device=device)
-        found = torch.stack([1 - flags[0], 1 - flags[1], signum, last])
+        zero = torch.zeros((), device=device)
+        weights = _norm_sum([p.detach() for p in pl_module.parameters()], device)
+        losses = self._losses.to(device) if self._losses is not None else zero
+        last = self._last.to(device) if self._last is not None else zero
+        # 1 where the losses' sum or the weights' norms are not finite, the signal, the last loss
+        found = torch.stack([losses, weights, zero, last])
+        found[:2] = found[:2].isfinite().logical_not()
+        found[2] = float(self.signum if signals else 0)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         bad_loss, bad_weights, signum_found, last_loss = found.tolist()  # the one host sync

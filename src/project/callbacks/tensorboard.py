@@ -6,11 +6,12 @@ The sample grid and the confusion matrix are a classifier's: they are drawn from
 autoencoder logs its reconstructions); the log says once that these two are not drawn for it. Everything is
 written by rank 0 to the first TensorBoard logger; without one the callback does nothing.
 
-The sample grid and the confusion matrix come at most every `min_interval_s` seconds (10): TensorBoard shows 10
-images of a tag and samples away the rest, and drawing and encoding the pair every epoch cost the MLP's 0.2 s epochs
-about 18 ms each (benchmarks/step_loop.py's template with and without them, before this limit). Epochs longer than
-that get theirs every epoch. The first and the last epoch's always come, so the run's final state is there; their
-step is the one of the epoch's validation scalars.
+The sample grid and the confusion matrix come at most every `min_interval_s` seconds (10), counted from the start
+of the fit: TensorBoard shows 10 images of a tag and samples away the rest, and drawing and encoding the pair every
+epoch cost the MLP's 0.2 s epochs about 18 ms each (benchmarks/step_loop.py's template with and without them, before
+this limit), so they cost a fit at most that every 10 s. Epochs longer than that get theirs every epoch. The last
+epoch's always come (drawn at the end of the fit), so the run's final state is there, and a fit shorter than 10 s
+gets only those. Their step is the one of the epoch's validation scalars.
 """
 
 import logging
@@ -48,7 +49,7 @@ class TensorBoardInsights(L.Callback):
     """`images`: a grid of validation digits with predicted and true labels; `confusion_matrix`: the
     validation epoch's; `graph`: the net's graph, once (one-process strategies); `histograms`: weights and
     gradients (off by default: they grow the event files); each every `every_n_epochs`, and the images at most
-    every `min_interval_s` seconds but always for the last epoch (the module docstring)."""
+    every `min_interval_s` seconds of the fit but always for the last epoch (the module docstring)."""
 
     def __init__(
         self,
@@ -67,7 +68,7 @@ class TensorBoardInsights(L.Callback):
         self.images, self.confusion_matrix, self.graph = images, confusion_matrix, graph
         self.histograms, self.every_n_epochs, self.samples = histograms, every_n_epochs, samples
         self.min_interval_s = min_interval_s
-        self._drawn_at: float | None = None  # when the last figures were handed to the drawing thread
+        self._drawn_at: float | None = None  # when the fit started or the last figures went to the drawing thread
         self._undrawn: Any = None  # the newest epoch's figures, when they were not drawn: drawn at the end of fit
         self._matrix: Tensor | None = None
         self._grid: tuple[Tensor, Tensor, Tensor] | None = None
@@ -88,7 +89,7 @@ class TensorBoardInsights(L.Callback):
         self._finish_drawing()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._drawn_at, self._undrawn = None, None  # each fit's first epoch has its figures
+        self._drawn_at, self._undrawn = time.monotonic(), None  # each fit counts its interval from its start
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._finish_drawing()

@@ -50,8 +50,11 @@ class Mean(_Summed):
         self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, value: Tensor) -> None:
-        self.total.add_(value.detach().sum().to(self.total.dtype))
-        self.count.add_(value.numel())
+        count = value.numel()
+        if value.ndim or value.requires_grad or value.dtype != self.total.dtype:  # a step's detached loss: 2 ops
+            value = value.detach().sum().to(self.total.dtype)
+        self.total.add_(value)
+        self.count.add_(count)
 
     def compute(self) -> Tensor:
         return self.total / self.count
