@@ -175,10 +175,10 @@ def test_torchrun_with_the_wrong_device_count_stops_with_the_fix(tmp_path):
 def test_two_nodes_on_localhost_one_process_each(tmp_path):
     probe, run = tmp_path / "probe", tmp_path / "shared_run"
     probe.mkdir()
-    port = str(free_port())
+    port, python = str(free_port()), str(WARM.python_on_path() / "python")  # both nodes warm
     procs = [
         start(
-            [sys.executable, str(TRAIN), f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
+            [python, str(TRAIN), f"hydra.run.dir={run}", "trainer.devices=1", "trainer.num_nodes=2", *RUN],
             {"PROBE_DIR": str(probe), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)},
             tmp_path,
         )

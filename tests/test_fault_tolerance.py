@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cli_env, run_dirs, run_python
+from conftest import REPO, WARM, cli_env, run_dirs, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +119,11 @@ def test_ddp_killed_mid_epoch_resumes_bit_for_bit(tmp_path):
 
 
 def start(cwd: Path, *args: str, env: dict) -> subprocess.Popen:
+    """`python train.py <args>` in the background, warm (tests/warm.py: signals reach the run, its exit code or
+    signal comes back)."""
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *args],
+        [str(WARM.python_on_path() / "python"), str(REPO / "train.py"), *args],
         cwd=cwd,
         env=cli_env(**env),
         stdout=subprocess.PIPE,

@@ -5,13 +5,12 @@ import json
 import signal
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cli_env, run_dirs
+from conftest import REPO, WARM, cli_env, run_dirs
 
 from project import build
 from project.errors import UserError
@@ -63,7 +62,7 @@ def test_apply_trains_with_the_value_as_the_override_would(cli, tmp_path):
 def test_ctrl_c_stops_a_search_at_once_and_leaves_nothing(tmp_path):
     """The run's own signal handling acts in callbacks, which the finders set aside while they search: Ctrl-C
     went unheard until the search ended (minutes for a long one). Now it stops the search, exit 130."""
-    argv = [sys.executable, str(REPO / "train.py"), "tune=lr", "tune.num_training=100000"]
+    argv = [str(WARM.python_on_path() / "python"), str(REPO / "train.py"), "tune=lr", "tune.num_training=100000"]
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(argv, cwd=tmp_path, env=cli_env(**TINY), stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + 120

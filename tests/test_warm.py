@@ -118,3 +118,16 @@ def test_a_stand_in_gone_before_its_request_leaves_the_zygote_serving(tmp_path):
         gone.close()
     code, out, _ = _run(tmp_path, "wait", child_mode="exit")
     assert code == 0 and out[-1] == "3"
+
+
+def test_what_a_child_prints_after_the_run_ended_is_in_its_streams(tmp_path):
+    """A cold run's pipes reach their end only once every process writing to them has ended: a rank that prints
+    its error a moment after rank 0 exited is in the output (a pipeline test missed it under load)."""
+    (tmp_path / "late.py").write_text(
+        "import subprocess, sys\n"
+        "code = 'import sys, time; time.sleep(0.5); print(\"late\", file=sys.stderr)'\n"
+        "subprocess.Popen([sys.executable, '-c', code])\n"
+        "print('early', file=sys.stderr)\n"
+    )
+    proc = WARM.run([sys.executable, "late.py"], tmp_path, dict(os.environ), timeout=60)
+    assert proc.returncode == 0 and proc.stderr.split() == ["early", "late"]

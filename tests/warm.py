@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,18 @@ def serve() -> None:
     os.waitpid(zygote_pid, 0)  # reaped: the CPU time of what it forked counts as this process's children's
 
 
+def _running_in_group(group: int) -> bool:
+    """Whether a process of process group `group` is still running (not a zombie)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
+
+
 class Warm:
     """The client: one server per test process, started on first use."""
 
@@ -300,6 +313,8 @@ class Warm:
         timer.start()
         try:
             returncode = json.loads(server.stdout.readline())["returncode"]
+            while not expired.is_set() and _running_in_group(pid):  # as a pipe's reader waits for every writer:
+                time.sleep(0.02)  # the ranks a run started may still be printing after it ended
         finally:
             timer.cancel()
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
