@@ -3,13 +3,12 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import optuna
 import pytest
-from conftest import REPO, cli_env
+from conftest import REPO, WARM, cli_env
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +44,8 @@ def test_the_profile_shrinks_the_search_and_bad_sweeper_keys_are_one_line(cli, t
 
 
 def test_a_killed_search_resumes_without_repeating_finished_trials(cli, tmp_path):
-    command = [sys.executable, str(REPO / "train.py"), *SEARCH, "hydra.sweeper.n_trials=4"]
+    python = str(WARM.python_on_path() / "python")  # warm: the sweep is the process its study's lock names
+    command = [python, str(REPO / "train.py"), *SEARCH, "hydra.sweeper.n_trials=4"]
     first = subprocess.Popen(
         command, cwd=tmp_path, env=cli_env(**TINY), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -53,14 +53,16 @@ def test_a_killed_search_resumes_without_repeating_finished_trials(cli, tmp_path
     while not list(tmp_path.glob("logs/train/multiruns/*/1/.hydra")):  # trial 0 is done, trial 1 has started
         assert first.poll() is None and time.time() < deadline, first.stderr.read().decode() if first.stderr else ""
         time.sleep(0.05)
-    os.kill(first.pid, signal.SIGSTOP)  # hold trial 1 where it is: on a slow machine it could end before the kill
+    (lock,) = [p for p in tmp_path.rglob(".*.lock") if p.read_text().startswith("pid ")]
+    sweep = int(lock.read_text().split()[1])
+    os.kill(sweep, signal.SIGSTOP)  # hold trial 1 where it is: on a slow machine it could end before the kill
     # a second sweep on the study while the first runs: refused in one line, the first's trial left alone
     second = cli("train.py", *SEARCH, "hydra.sweeper.n_trials=4", env=TINY, check=False)
     assert second.returncode == 2
     assert second.stderr.startswith("error: study ") and "is being run by another sweep (pid " in second.stderr
     assert len(second.stderr.splitlines()) == 1 and len(sweep_dirs(tmp_path)) == 1
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait()
+    os.kill(sweep, signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
     killed = {t.number: t.state.name for t in trials(tmp_path)}
     assert killed[0] == "COMPLETE" and killed[1] == "RUNNING"
 
