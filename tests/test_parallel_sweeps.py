@@ -82,7 +82,7 @@ def span(job: Path) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_an_optuna_search_starts_the_next_trial_as_soon_as_a_worker_is_free(cli, tmp_path):
-    """Trial 0 is long (pruned after 10 epochs), the others take one epoch (trial 2 fails at once): with batches of
+    """Trial 0 is long (pruned after 5 epochs), the others take one epoch (trial 2 fails at once): with batches of
     2, trial 2 could start only once trial 0 ended. The trials are queued in the study first, so their order and
     parameters are known; a user's own net (tests/user_models.py) is trained."""
     storage = f"sqlite:///{tmp_path}/logs/optuna.db"
@@ -96,14 +96,14 @@ def test_an_optuna_search_starts_the_next_trial_as_soon_as_a_worker_is_free(cli,
         "trainer.max_epochs=choice(1,20)", "model.optimizer.lr=choice(-1.0,0.001)",  # -1: the job fails
         "trainer.limit_train_batches=30", "~model.net", "+model.net._target_=user_models.ResidualNet",
         "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner", "~hydra.sweeper.pruner.n_startup_trials",
-        "+hydra.sweeper.pruner.lower=1.01", "hydra.sweeper.pruner.n_warmup_steps=9",  # prunes after 10 epochs
+        "+hydra.sweeper.pruner.lower=1.01", "hydra.sweeper.pruner.n_warmup_steps=4",  # prunes after 5 epochs
         env={"PROJECT_PROFILE": "tiny"}, check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "2 trials at a time: the next one starts as soon as any of them ends" in proc.stdout + proc.stderr
     trials = optuna.load_study(study_name="long_and_short", storage=storage).get_trials()
     assert [t.state.name for t in trials] == ["PRUNED", "COMPLETE", "FAIL", "COMPLETE"]  # n_trials, nothing more
-    assert list(trials[0].intermediate_values) == list(range(10))  # the pruner, judging in the workers
+    assert list(trials[0].intermediate_values) == list(range(5))  # the pruner, judging in the workers
     assert trials[2].user_attrs["error"] == "model.optimizer: ValueError: Invalid learning rate: -1.0"
 
     (root,) = (tmp_path / "logs" / "train" / "multiruns").glob("*")
@@ -116,7 +116,7 @@ def test_an_optuna_search_starts_the_next_trial_as_soon_as_a_worker_is_free(cli,
 
     rows = {r["job"]: r for r in csv.DictReader((root / "summary.csv").open())}
     assert [rows[n]["status"] for n in "0123"] == ["pruned", "ok", "failed", "ok"]
-    assert rows["0"]["epochs"] == "10" and rows["1"]["epochs"] == "1"
+    assert rows["0"]["epochs"] == "5" and rows["1"]["epochs"] == "1"
     assert (root / "2" / "error.txt").read_text().startswith("model.optimizer: ValueError: Invalid learning rate")
     lines = proc.stderr.strip().splitlines()
     assert "error: sweep job 2 (" in proc.stderr and "Traceback" not in proc.stderr
