@@ -135,6 +135,23 @@ def test_a_steps_checks_and_loss_mean_cost_two_tensor_ops_each():
     assert float(mean.compute()) == pytest.approx((4.0 + 1.0 + 3.0) / 3)
 
 
+def test_finite_fp16_weights_whose_norm_fp16_cannot_hold_are_not_a_divergence():
+    """The weights' check sums their norms: an fp16 norm above 65504 was inf, and a run with sound fp16 weights
+    (`trainer.precision=16-true`) stopped as diverged. The norms are taken in float32."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from project.callbacks.checks import RunChecks
+
+    checks, module = RunChecks(every_n_steps=1000), torch.nn.Linear(1000, 100).half()
+    with torch.no_grad():
+        module.weight.fill_(1000.0)  # each finite; the norm is 1000 * sqrt(100,000), about 316,000
+    trainer = SimpleNamespace(global_step=5, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    checks._agree(trainer, module, signals=False)
+    assert checks._agreed_at == 5
+
+
 def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(make_cfg, monkeypatch):
     """Lightning makes every torch.cuda.is_available() ask NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1, set when it is
     imported), and torch's optimizers ask on every step: without a GPU nothing caches the answer, and each step tried

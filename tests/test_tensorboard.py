@@ -264,3 +264,21 @@ def test_figures_come_at_most_every_min_interval_and_always_for_the_last_epoch(m
     for tag in ("val/samples", "val/confusion_matrix"):
         drawn = [e.step for e in run.Images(tag)]
         assert drawn == (epochs if interval == 0 else [epochs[-1]]), tag
+
+
+def test_a_fit_stopped_by_a_signal_still_gets_its_last_figures(cli, tmp_path):
+    """A fit shorter than min_interval_s holds its figures back for its end; one that a signal stops (or an error
+    ends) skips Lightning's on_train_end, and drew none. The held-back figures are drawn as it stops."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    stopped = cli(
+        "train.py", "model=mlp", "trainer.max_epochs=2", "+callbacks.probe._target_=probes.SignalAt",
+        env={"PROJECT_PROFILE": "tiny", "SIGNAL_AT": "last_validation"}, check=False,
+    )  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "logs")
+    (events,) = run.glob("tensorboard/events.out.tfevents.*")
+    found = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0}).Reload()
+    last = found.Scalars("val/acc")[-1].step
+    for tag in ("val/samples", "val/confusion_matrix"):
+        assert [e.step for e in found.Images(tag)] == [last], tag

@@ -266,14 +266,31 @@ def serve() -> None:
 
 def _running_in_group(group: int) -> bool:
     """Whether a process of process group `group` is still running (not a zombie)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False  # the common case: nothing of the run is left
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         except OSError:  # ended meanwhile
             continue
         if int(fields[2]) == group and fields[0] != "Z":
             return True
     return False
+
+
+def _wait_for_group(group: int, expired: threading.Event, grace_s: float = 30) -> None:
+    """As a pipe's reader waits for every writer: the ranks a run started may still be printing after it ended.
+    What is still running after `grace_s` is killed (a test must not leave processes behind)."""
+    deadline = time.monotonic() + grace_s
+    while not expired.is_set() and _running_in_group(group):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+            return
+        time.sleep(0.02)
 
 
 class Warm:
@@ -313,8 +330,7 @@ class Warm:
         timer.start()
         try:
             returncode = json.loads(server.stdout.readline())["returncode"]
-            while not expired.is_set() and _running_in_group(pid):  # as a pipe's reader waits for every writer:
-                time.sleep(0.02)  # the ranks a run started may still be printing after it ended
+            _wait_for_group(pid, expired)
         finally:
             timer.cancel()
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")

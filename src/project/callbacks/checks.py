@@ -57,8 +57,8 @@ def _norm_sum(tensors: list[Any], device: torch.device) -> torch.Tensor:
     local = [t for t in local if t.numel()]
     if not local:
         return torch.zeros((), device=device)
-    norms = torch._foreach_norm(local)  # one norm per tensor, in its dtype (a cast only where it is not float32)
-    return torch.stack([n if n.dtype == torch.float32 else n.float() for n in norms]).sum().to(device)
+    norms = torch._foreach_norm(local, 2, dtype=torch.float32)  # fp16's own would overflow for sound weights
+    return torch.stack([n.to(device) for n in norms]).sum()  # pipe's stages sit on several devices
 
 
 def _versions(module: L.LightningModule) -> int:

@@ -10,8 +10,8 @@ The sample grid and the confusion matrix come at most every `min_interval_s` sec
 of the fit: TensorBoard shows 10 images of a tag and samples away the rest, and drawing and encoding the pair every
 epoch cost the MLP's 0.2 s epochs about 18 ms each (benchmarks/step_loop.py's template with and without them, before
 this limit), so they cost a fit at most that every 10 s. Epochs longer than that get theirs every epoch. The last
-epoch's always come (drawn at the end of the fit), so the run's final state is there, and a fit shorter than 10 s
-gets only those. Their step is the one of the epoch's validation scalars.
+epoch's always come (drawn at the end of the fit, also one that an error or a signal stops), so the run's final state
+is there, and a fit shorter than 10 s gets only those. Their step is the one of the epoch's validation scalars.
 """
 
 import logging
@@ -87,6 +87,17 @@ class TensorBoardInsights(L.Callback):
         if undrawn is not None:  # the last epoch came sooner than min_interval_s after the figures before
             self._draw(*undrawn)
         self._finish_drawing()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # A fit that an error or a signal's stop ends gets no on_train_end or teardown from Lightning: the figures
+        # held back are drawn now, before the loggers close. A drawing error is logged: the run's error is the news.
+        undrawn, self._undrawn = self._undrawn, None
+        try:
+            if undrawn is not None:
+                self._draw(*undrawn)
+            self._finish_drawing()
+        except Exception as e:
+            log.warning(f"TensorBoard figures not drawn: {type(e).__name__}: {e}")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._drawn_at, self._undrawn = time.monotonic(), None  # each fit counts its interval from its start
