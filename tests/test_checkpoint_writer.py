@@ -362,3 +362,27 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
     state = torch.load(last, weights_only=False)
     assert (state["epoch"], state["global_step"]) == (2, 12)
     assert not list(folder.glob(".*"))  # no temporary file left
+
+
+def test_a_file_url_dirpath_writes_where_it_names_and_a_remote_host_is_refused(make_cfg, tmp_path, monkeypatch):
+    """Lightning resolves a `file://` dirpath as a path relative to the working directory: the files went to
+    ./file:/<path>. They go to the path the URL names; a URL naming another host is one line saying what to pass."""
+    from project.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
+    from project.tasks.training import train
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "elsewhere" / "ckpts"
+    url = f"file://{folder}"
+    cfg = make_cfg(
+        *USERS_MODULE_3_EPOCHS,
+        "trainer.max_epochs=1",
+        f"callbacks.model_checkpoint.dirpath={url}",
+        f"callbacks.last_checkpoint.dirpath={url}",
+    )
+    train(cfg)
+    assert sorted(p.name for p in folder.glob("*.ckpt"))[-1] == "last.ckpt" and len(list(folder.glob("*.ckpt"))) == 2
+    assert not (tmp_path / "file:").exists()
+    assert LastCheckpoint(dirpath=f"file://localhost{folder}").dirpath == str(folder)
+    for make in (BestCheckpoint, LastCheckpoint):
+        with pytest.raises(UserError, match="file://host/ckpts: a file URL of another host.*file:///"):
+            make(dirpath="file://host/ckpts")
