@@ -261,3 +261,17 @@ def test_torchrun_restarts_never_meet_the_previous_attempts_addresses(tmp_path):
             for p in (first, second):
                 p.kill()
         assert [out.split()[-1] for out in outs] == ["3.0", "3.0"], (attempt, outs)
+
+
+def test_an_address_rank_0_cannot_listen_on_is_one_line_naming_what_was_given():
+    """Under torchrun rank 0 hosts its store on a free port of MASTER_ADDR: the line named MASTER_PORT=0, which
+    nobody set, and asked for a free port."""
+    from project.strategies.rendezvous import _listen_on
+
+    with pytest.raises(UserError) as given:
+        _listen_on("192.0.2.1", 29500)  # TEST-NET-1: never an address of this machine
+    assert "MASTER_ADDR=192.0.2.1 MASTER_PORT=29500" in str(given.value)
+    with pytest.raises(UserError) as free:
+        _listen_on("192.0.2.1", 0)
+    assert "MASTER_PORT" not in str(free.value) and "MASTER_ADDR=192.0.2.1" in str(free.value)
+    assert "an address of this machine" in str(free.value)

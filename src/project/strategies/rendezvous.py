@@ -31,6 +31,11 @@ def _listen_on(address: str, port: int) -> tuple[int, int]:
         family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
         server = socket.create_server((address, port), family=family, backlog=128)
     except OSError as e:
+        if port == 0:  # torchrun's rank 0: a free port of MASTER_ADDR, which the user did not choose
+            raise UserError(
+                f"cannot listen on MASTER_ADDR={address} ({e.strerror or e}): rank 0 hosts the run's store on a free "
+                "port of MASTER_ADDR, which on one machine must be an address of this machine (127.0.0.1)"
+            ) from e
         raise UserError(
             f"cannot listen on MASTER_ADDR={address} MASTER_PORT={port} ({e.strerror or e}): on one machine "
             "MASTER_ADDR must be an address of this machine (127.0.0.1), and MASTER_PORT a free port"
