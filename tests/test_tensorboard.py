@@ -82,9 +82,10 @@ def test_the_server_shows_the_runs_by_name_with_their_scalars(server, logs):
 
 def test_images_show_the_samples_and_the_confusion_matrix_and_the_graph_is_there(server, logs):
     _, name = single_run(logs)
-    assert {"val/samples", "val/confusion_matrix"} <= set(get(f"{server}/data/plugin/images/tags")[name])
+    tags = ("val/samples", "val/confusion_matrix", "test/samples", "test/confusion_matrix")  # the fit's and its test's
+    assert set(tags) <= set(get(f"{server}/data/plugin/images/tags")[name])
     run = urllib.parse.quote(name)
-    for tag in ("val/samples", "val/confusion_matrix"):
+    for tag in tags:
         (*_, last) = get(f"{server}/data/plugin/images/images?run={run}&tag={urllib.parse.quote(tag)}")
         png = urllib.request.urlopen(f"{server}/data/plugin/images/individualImage?{last['query']}", timeout=30).read()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
@@ -282,3 +283,26 @@ def test_a_fit_stopped_by_a_signal_still_gets_its_last_figures(cli, tmp_path):
     last = found.Scalars("val/acc")[-1].step
     for tag in ("val/samples", "val/confusion_matrix"):
         assert [e.step for e in found.Images(tag)] == [last], tag
+
+
+def test_an_evaluation_draws_the_test_sets_figures_for_a_users_net(make_cfg, tmp_path):
+    """eval.py, like the test after a fit, draws the test set's sample grid and confusion matrix (from what the
+    classifier's test_step returns) at the step of its test scalars; here with a net written as users write them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from project.tasks.evaluation import evaluate
+    from project.tasks.training import train
+
+    user_net = ("~model.net", "+model.net._target_=user_models.TutorialCNN")
+    train(make_cfg("profile=tiny", *user_net, "logger=none", "test=false"))
+    (best,) = (tmp_path / "out" / "checkpoints").glob("epoch_*.ckpt")
+    out = tmp_path / "evaluated"
+    ckpt = (f"ckpt_path={best}", "trusted_packages=[user_models]")
+    evaluate(make_cfg("profile=tiny", *ckpt, f"paths.output_dir={out}", name="eval"))
+    (events,) = out.glob("tensorboard/events.out.tfevents.*")
+    found = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0}).Reload()
+    (tested,) = [e.step for e in found.Scalars("test/acc")]
+    assert {tag: [e.step for e in found.Images(tag)] for tag in found.Tags()["images"]} == {
+        "test/samples": [tested],
+        "test/confusion_matrix": [tested],
+    }

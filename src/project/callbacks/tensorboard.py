@@ -1,8 +1,9 @@
 """What a person opens TensorBoard for, beyond the scalars: which digits a classifier gets wrong, how the classes
 are confused, the net's graph, and (behind a switch) how weights and gradients are distributed.
 
-The sample grid and the confusion matrix are a classifier's: they are drawn from what its validation_step returns,
-`{"preds": ..., "target": ...}` (ImageClassifier does). A module of another task draws its own figures (the
+The sample grid and the confusion matrix are a classifier's: they are drawn from what its validation_step and
+test_step return, `{"preds": ..., "target": ...}` (ImageClassifier does): `val/...` each epoch, `test/...` for the
+test after a fit and for eval.py. A module of another task draws its own figures (the
 autoencoder logs its reconstructions); the log says once that these two are not drawn for it. Everything is
 written by rank 0 to the first TensorBoard logger; without one the callback does nothing.
 
@@ -111,6 +112,9 @@ class TensorBoardInsights(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._matrix, self._grid = None, None
 
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._matrix, self._grid = None, None
+
     def on_validation_batch_end(
         self,
         trainer: L.Trainer,
@@ -120,16 +124,31 @@ class TensorBoardInsights(L.Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        if self._due(trainer):
+            self._collect(trainer, pl_module, outputs, batch, "validation_step")
+
+    def on_test_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._collect(trainer, pl_module, outputs, batch, "test_step")
+
+    def _collect(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, step: str) -> None:
+        """A batch's counts for the confusion matrix, and the first batch's digits for the grid."""
         if not isinstance(outputs, dict) or "preds" not in outputs or "target" not in outputs:
             if not self._said and trainer.is_global_zero and (self.images or self.confusion_matrix):
                 log.info(
-                    "TensorBoard: no sample grid or confusion matrix for %s: its validation_step returns no "
+                    "TensorBoard: no sample grid or confusion matrix for %s: its %s returns no "
                     "{'preds': ..., 'target': ...} (a classifier's); it may log figures of its own (README)",
                     type(pl_module).__name__,
+                    step,
                 )
             self._said = True
-            return
-        if not self._due(trainer):
             return
         preds, target = outputs["preds"].detach(), outputs["target"].detach()
         if self.confusion_matrix:
@@ -143,6 +162,18 @@ class TensorBoardInsights(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._due(trainer):
             return
+        writer = self._figures(trainer, pl_module, "val")
+        if writer is not None and self.histograms and _one_process(trainer):
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            for name, param in pl_module.named_parameters():
+                writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._figures(trainer, pl_module, "test")
+        self._finish_drawing()  # before the loggers close: a test ends the run
+
+    def _figures(self, trainer: L.Trainer, pl_module: L.LightningModule, prefix: str) -> Any:
+        """The epoch's grid and matrix (every rank's counts) to rank 0's writer, under `prefix`/; that writer."""
         matrix = self._matrix
         if self.confusion_matrix and trainer.world_size > 1:  # every rank takes part, with or without counts
             classes = int(getattr(pl_module, "num_classes", 0))
@@ -152,11 +183,11 @@ class TensorBoardInsights(L.Callback):
                 matrix = trainer.strategy.reduce(matrix.float(), reduce_op="sum").long()  # all ranks' shards
         writer = _writer(trainer)
         if writer is None or not trainer.is_global_zero:
-            return
+            return None
         # The drawing thread gets numpy arrays and lists only: a torch op in a second thread would start a second
         # OpenMP thread team, and with more OpenMP threads than cores libgomp stops spinning, which made every
         # later training step of the process up to 3x slower on 2 cores (benchmarks/step_loop.py).
-        step, grid = trainer.fit_loop.epoch_loop._batches_that_stepped, None  # that of the epoch's val/ scalars
+        step, grid = trainer.fit_loop.epoch_loop._batches_that_stepped, None  # that of the epoch's scalars
         counts = matrix.cpu().numpy() if matrix is not None else None
         if self._grid is not None:
             images, preds, targets = self._grid
@@ -167,23 +198,21 @@ class TensorBoardInsights(L.Callback):
             fitting = trainer.state.fn == TrainerFn.FITTING
             if self._drawn_at is None or now - self._drawn_at >= self.min_interval_s or not fitting:
                 self._drawn_at = now
-                self._draw(writer, step, grid, counts)
+                self._draw(writer, prefix, step, grid, counts)
             else:
-                self._undrawn = (writer, step, grid, counts)
-        if self.histograms and _one_process(trainer):
-            for name, param in pl_module.named_parameters():
-                writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
+                self._undrawn = (writer, prefix, step, grid, counts)
+        return writer
 
-    def _draw(self, writer: Any, step: int, grid: tuple | None, counts: Any) -> None:
+    def _draw(self, writer: Any, prefix: str, step: int, grid: tuple | None, counts: Any) -> None:
         """Draws and writes the figures in a thread of its own: training goes on meanwhile."""
         from project.loggers import figures
 
         def draw() -> None:
             if grid is not None:
-                summary = figures.image_summary("val/samples", figures.sample_grid(*grid))
+                summary = figures.image_summary(f"{prefix}/samples", figures.sample_grid(*grid))
                 writer._get_file_writer().add_summary(summary, step)
             if counts is not None:
-                summary = figures.image_summary("val/confusion_matrix", figures.confusion_image(counts))
+                summary = figures.image_summary(f"{prefix}/confusion_matrix", figures.confusion_image(counts))
                 writer._get_file_writer().add_summary(summary, step)
 
         if self._painter is None:

@@ -113,6 +113,7 @@ class EvalConfig(RunConfig):
     ckpt_path: str = MISSING
     data: Any = None  # None: the data config stored in the checkpoint
     logger: Any = field(default_factory=dict)
+    callbacks: Any = field(default_factory=dict)
 
 
 @dataclass

@@ -116,10 +116,11 @@ class ImageClassifier(L.LightningModule):
         best = self.val_acc_best.compute()
         self.log("val/acc_best", best, sync_dist=True, prog_bar=True)
 
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss, preds, y = self._shared_step(batch)
         self.test_loss.update(loss)
         self.test_acc.update(preds, y)
+        return {"preds": preds, "target": y}  # for callbacks: the test set's confusion matrix and sample grid
 
     def on_test_epoch_end(self) -> None:
         self.log("test/loss", self.test_loss)

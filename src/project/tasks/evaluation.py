@@ -45,7 +45,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     build.check(cfg)
     make_output_dirs(cfg)
     datamodule = build.datamodule(_data_config(cfg, train_config))
-    trainer = build.trainer(cfg.trainer, [], build.named(cfg.logger, "logger"), cfg.launch)
+    callbacks = build.named(cfg.callbacks, "callbacks")
+    trainer = build.trainer(cfg.trainer, callbacks, build.named(cfg.logger, "logger"), cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         sweeps.run_job_in_fresh_process(None)
         return read_metrics(Path(cfg.paths.output_dir))
