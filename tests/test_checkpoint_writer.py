@@ -364,25 +364,17 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
     assert not list(folder.glob(".*"))  # no temporary file left
 
 
-def test_a_file_url_dirpath_writes_where_it_names_and_a_remote_host_is_refused(make_cfg, tmp_path, monkeypatch):
-    """Lightning resolves a `file://` dirpath as a path relative to the working directory: the files went to
-    ./file:/<path>. They go to the path the URL names; a URL naming another host is one line saying what to pass."""
-    from project.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
+def test_a_file_url_for_a_folder_is_one_line_naming_the_path_and_nothing_is_written(make_cfg, tmp_path, monkeypatch):
+    """Lightning takes a `file://` dirpath for a path relative to the working directory: the files went to
+    ./file:/<path>, where no check looked for another run's checkpoints. A `file:` URL is refused at start."""
     from project.tasks.training import train
 
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "elsewhere" / "ckpts"
-    url = f"file://{folder}"
-    cfg = make_cfg(
-        *USERS_MODULE_3_EPOCHS,
-        "trainer.max_epochs=1",
-        f"callbacks.model_checkpoint.dirpath={url}",
-        f"callbacks.last_checkpoint.dirpath={url}",
-    )
-    train(cfg)
-    assert sorted(p.name for p in folder.glob("*.ckpt"))[-1] == "last.ckpt" and len(list(folder.glob("*.ckpt"))) == 2
-    assert not (tmp_path / "file:").exists()
-    assert LastCheckpoint(dirpath=f"file://localhost{folder}").dirpath == str(folder)
-    for make in (BestCheckpoint, LastCheckpoint):
-        with pytest.raises(UserError, match="file://host/ckpts: a file URL of another host.*file:///"):
-            make(dirpath="file://host/ckpts")
+    for url in (f"file://{folder}", f"file:{folder}", f"file://localhost{folder}"):
+        for key in ("callbacks.model_checkpoint.dirpath", "callbacks.last_checkpoint.dirpath"):
+            cfg = make_cfg(*USERS_MODULE_3_EPOCHS, "trainer.max_epochs=1", f"{key}={url}")
+            with pytest.raises(UserError) as refused:
+                train(cfg)
+            assert str(refused.value) == f"{key}={url}: a file URL; pass the folder's path itself ({folder})"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not list((tmp_path / "out").iterdir())

@@ -272,6 +272,6 @@ def test_an_address_rank_0_cannot_listen_on_is_one_line_naming_what_was_given():
         _listen_on("192.0.2.1", 29500)  # TEST-NET-1: never an address of this machine
     assert "MASTER_ADDR=192.0.2.1 MASTER_PORT=29500" in str(given.value)
     with pytest.raises(UserError) as free:
-        _listen_on("192.0.2.1", 0)
+        _listen_on("192.0.2.1", 0, torchrun=True)
     assert "MASTER_PORT" not in str(free.value) and "MASTER_ADDR=192.0.2.1" in str(free.value)
     assert "an address of this machine" in str(free.value)

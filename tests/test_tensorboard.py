@@ -306,3 +306,38 @@ def test_an_evaluation_draws_the_test_sets_figures_for_a_users_net(make_cfg, tmp
         "test/samples": [tested],
         "test/confusion_matrix": [tested],
     }
+
+
+def test_a_confusion_matrix_sized_by_the_labels_grows_with_them(tmp_path):
+    """A module without `num_classes` gets a matrix as large as the largest label seen: a later batch with a larger
+    label than the first ones failed the test (tensors of 8 and 10 classes added); a module that returns nothing
+    gets no figure."""
+    import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from project.callbacks.tensorboard import TensorBoardInsights
+
+    class Labels(L.LightningModule):  # no num_classes; predicts the label it is given
+        def __init__(self, returns: bool) -> None:
+            super().__init__()
+            self.returns, self.layer = returns, nn.Linear(1, 1)
+
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            return {"preds": y, "target": y} if self.returns else None
+
+    labels = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # batches of 4: largest 3, then 7, then 9
+    data = DataLoader(TensorDataset(torch.zeros(10, 1, 1, 1), labels), batch_size=4)
+    for returns in (True, False):
+        logger = TensorBoardLogger(str(tmp_path), name=str(returns), version="")
+        trainer = L.Trainer(
+            accelerator="cpu", logger=logger, callbacks=[TensorBoardInsights(images=False)], enable_progress_bar=False
+        )
+        trainer.test(Labels(returns), data)
+        (events,) = (tmp_path / str(returns)).glob("events.out.tfevents.*")
+        images = EventAccumulator(str(events), size_guidance={"images": 0}).Reload().Tags()["images"]
+        assert images == (["test/confusion_matrix"] if returns else [])

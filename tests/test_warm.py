@@ -134,18 +134,21 @@ def test_what_a_child_prints_after_the_run_ended_is_in_its_streams(tmp_path):
 
 
 def test_modules_are_compiled_once_into_a_folder_of_their_own_and_again_when_changed(tmp_path):
-    """Warm runs keep the bytecode of what they import (the project's modules: about 0.05 s of each run) under
-    warm.PYCACHE, whatever PYTHONDONTWRITEBYTECODE says, and never beside the sources."""
-    from warm import PYCACHE
-
+    """Warm runs keep the bytecode of what they import (the project's modules: about 0.05 s of each run) in the
+    client's private folder, whatever PYTHONDONTWRITEBYTECODE says, and never beside the sources."""
     (tmp_path / "main.py").write_text("import mod\nprint(mod.VALUE)\n")
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    outputs = []
-    for value in ("1", "22"):  # a new size: a source changed within the same second is compiled again too
-        (tmp_path / "mod.py").write_text(f"VALUE = {value}\n")
+    compiled = WARM.bytecode / str(tmp_path).lstrip("/") / f"mod.{sys.implementation.cache_tag}.pyc"
+    outputs, stamps, written = [], [], None
+    for value in ("1", "1", "22"):  # the same source again: its bytecode is read, not written again; then another
+        (tmp_path / "mod.py").write_text(f"VALUE = {value}\n")  # source of another size in the same second
+        if written is None:
+            written = (tmp_path / "mod.py").stat().st_mtime_ns
+        os.utime(tmp_path / "mod.py", ns=(written, written))
         proc = WARM.run([sys.executable, "main.py"], tmp_path, env, timeout=60)
         assert proc.returncode == 0, proc.stderr
         outputs.append(proc.stdout.strip())
-    assert outputs == ["1", "22"]
+        stamps.append(compiled.stat().st_mtime_ns)
+    assert outputs == ["1", "1", "22"]
+    assert stamps[0] == stamps[1] < stamps[2]  # compiled, reused, compiled again
     assert not (tmp_path / "__pycache__").exists()
-    assert [p.name.split(".")[0] for p in Path(PYCACHE + str(tmp_path)).glob("*.pyc")] == ["mod"]

@@ -72,7 +72,7 @@ PRELOAD = (
 )
 
 
-PYCACHE = os.path.join(tempfile.gettempdir(), f"project-tests-pycache-{os.getuid()}")
+_BYTECODE: str | None = None  # where runs keep what they compile: the client's folder, given to serve()
 
 
 def _child(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
@@ -100,9 +100,10 @@ def _become(request: dict[str, Any], base_path: list[str], zygote: str) -> None:
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
         os.setpgrp()  # its own process group, as a shell would give it: a signal to the group reaches its ranks
         _start_ranks_warm(zygote)
-        # The project's modules compiled once for all runs, not at each (PYTHONDONTWRITEBYTECODE may be set: about
-        # 0.08 s of each run); in a folder of their own, so nothing is written beside the sources
-        sys.pycache_prefix, sys.dont_write_bytecode = PYCACHE, False
+        if _BYTECODE is not None:
+            # The project's modules compiled once for the server's runs, not at each (PYTHONDONTWRITEBYTECODE may be
+            # set: about 0.05 s of each run), into the client's folder: nothing is written beside the sources
+            sys.pycache_prefix, sys.dont_write_bytecode = _BYTECODE, False
         argv = request["argv"][1:]
         if argv[0] == "-u":  # unbuffered, as submitit starts its jobs
             argv = argv[1:]
@@ -278,8 +279,11 @@ def _warm_up_parsers() -> None:
     OverridesParser.create().parse_overrides(overrides)
 
 
-def serve() -> None:
+def serve(bytecode: str | None = None) -> None:
     import importlib
+
+    global _BYTECODE
+    _BYTECODE = bytecode
 
     for name in PRELOAD:
         importlib.import_module(name)
@@ -345,11 +349,16 @@ class Warm:
         self.python = python
         self.server: subprocess.Popen | None = None
         self.files = Path(tempfile.mkdtemp(prefix="warm-"))  # stdout and stderr of runs: not in their cwd
+        self.bytecode = self.files / "bytecode"  # what the runs compile (a private folder, removed at close)
 
     def _start(self) -> subprocess.Popen:
         if self.server is None or self.server.poll() is not None:
             self.server = subprocess.Popen(
-                [self.python, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+                [self.python, __file__, str(self.bytecode)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                bufsize=1,
             )
             assert self.server.stdout is not None
             assert json.loads(self.server.stdout.readline()).get("ready"), "the warm interpreter did not start"
@@ -406,4 +415,4 @@ class Warm:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -30,14 +30,9 @@ from weakref import proxy
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from project.errors import UserError
-
 
 class WrittenInBackground(ModelCheckpoint):
     """A ModelCheckpoint whose saves and removals the writer thread does (the module docstring)."""
-
-    def __init__(self, dirpath: Any = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(_local_path(dirpath), *args, **kwargs)
 
     @contextmanager
     def _in_background(self, trainer: L.Trainer, filepath: str) -> Iterator[None]:
@@ -171,21 +166,6 @@ class LastCheckpoint(WrittenInBackground):
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the epoch-end save follows, after validation
         self._save_checkpoint(trainer, str(self.path))
-
-
-def _local_path(dirpath: Any) -> Any:
-    """The path a `file://` URL names. Lightning takes a local protocol's dirpath for a path and resolves it against
-    the working directory as it is: the files went to ./file:/<path>."""
-    if not (isinstance(dirpath, str) and dirpath.startswith("file://")):
-        return dirpath
-    from urllib.parse import unquote, urlparse
-
-    url = urlparse(dirpath)
-    if url.netloc not in ("", "localhost"):
-        raise UserError(
-            f"{dirpath}: a file URL of another host; name a folder of this machine (a path, or file:///<absolute path>)"
-        )
-    return unquote(url.path)
 
 
 def _wait(trainer: L.Trainer) -> None:

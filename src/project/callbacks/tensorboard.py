@@ -39,6 +39,12 @@ def _writer(trainer: L.Trainer) -> Any:
     return None
 
 
+def _padded(matrix: Tensor, classes: int) -> Tensor:
+    """`matrix` grown with zeros to `classes` x `classes` (labels larger than any seen before)."""
+    grow = classes - len(matrix)
+    return torch.nn.functional.pad(matrix, (0, grow, 0, grow)) if grow > 0 else matrix
+
+
 def _one_process(trainer: L.Trainer) -> bool:
     """Graph tracing and full-parameter histograms need the whole model in this process, on its own."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -47,9 +53,9 @@ def _one_process(trainer: L.Trainer) -> bool:
 
 
 class TensorBoardInsights(L.Callback):
-    """`images`: a grid of validation digits with predicted and true labels; `confusion_matrix`: the
-    validation epoch's; `graph`: the net's graph, once (one-process strategies); `histograms`: weights and
-    gradients (off by default: they grow the event files); each every `every_n_epochs`, and the images at most
+    """`images`: a grid of validation (and test) digits with predicted and true labels; `confusion_matrix`: the
+    validation epoch's (and the test's); `graph`: the net's graph, once (one-process strategies); `histograms`:
+    weights and gradients (off by default: they grow the event files); each every `every_n_epochs`, the images at most
     every `min_interval_s` seconds of the fit but always for the last epoch (the module docstring)."""
 
     def __init__(
@@ -151,10 +157,11 @@ class TensorBoardInsights(L.Callback):
             self._said = True
             return
         preds, target = outputs["preds"].detach(), outputs["target"].detach()
-        if self.confusion_matrix:
+        if self.confusion_matrix and target.numel():
             classes = int(getattr(pl_module, "num_classes", 0)) or int(max(preds.max(), target.max())) + 1
-            counts = torch.bincount(target * classes + preds, minlength=classes * classes)
-            self._matrix = counts.view(classes, classes) + (self._matrix if self._matrix is not None else 0)
+            classes = max(classes, len(self._matrix) if self._matrix is not None else 0)  # labels seen before
+            counts = torch.bincount(target * classes + preds, minlength=classes * classes).view(classes, classes)
+            self._matrix = counts + _padded(self._matrix, classes) if self._matrix is not None else counts
         if self.images and self._grid is None and trainer.is_global_zero:
             images = batch[0][: self.samples].detach()
             self._grid = (images, preds[: self.samples], target[: self.samples])
@@ -177,13 +184,19 @@ class TensorBoardInsights(L.Callback):
         matrix = self._matrix
         if self.confusion_matrix and trainer.world_size > 1:  # every rank takes part, with or without counts
             classes = int(getattr(pl_module, "num_classes", 0))
-            if matrix is None and classes:
-                matrix = torch.zeros(classes, classes, dtype=torch.long, device=pl_module.device)
-            if matrix is not None:
-                matrix = trainer.strategy.reduce(matrix.float(), reduce_op="sum").long()  # all ranks' shards
+            if not classes:  # sized by the labels each rank saw: the largest size of any rank
+                seen = torch.tensor(float(len(matrix) if matrix is not None else 0), device=pl_module.device)
+                classes = int(trainer.strategy.reduce(seen, reduce_op="max").item())
+            if classes:
+                mine = _padded(matrix, classes) if matrix is not None else None
+                if mine is None:
+                    mine = torch.zeros(classes, classes, dtype=torch.long, device=pl_module.device)
+                matrix = trainer.strategy.reduce(mine.float(), reduce_op="sum").long()  # all ranks' shards
         writer = _writer(trainer)
         if writer is None or not trainer.is_global_zero:
             return None
+        if matrix is not None and not bool(matrix.any()):
+            matrix = None  # no rank counted anything (a test_step that returns no predictions): no empty figure
         # The drawing thread gets numpy arrays and lists only: a torch op in a second thread would start a second
         # OpenMP thread team, and with more OpenMP threads than cores libgomp stops spinning, which made every
         # later training step of the process up to 3x slower on 2 cores (benchmarks/step_loop.py).

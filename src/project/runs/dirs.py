@@ -153,6 +153,8 @@ def make_output_dirs(cfg: Any) -> None:
             for key in ("save_dir", "dirpath"):
                 if node is not None and node.get(key):
                     wanted[f"{group}.{name}.{key}"] = node[key]
+    for key, path in wanted.items():
+        _refuse_file_url(key, str(path))
     made: list[Path] = []  # removed again, deepest first, if a later folder is refused: nothing is left behind
     try:
         for key, path in wanted.items():
@@ -163,6 +165,16 @@ def make_output_dirs(cfg: Any) -> None:
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
+
+
+def _refuse_file_url(key: str, value: str) -> None:
+    """Lightning, its loggers and Hydra take a `file:` URL for a relative path: `file:///x` wrote into ./file:/x."""
+    from urllib.parse import unquote, urlparse
+
+    url = urlparse(value)
+    if url.scheme == "file":
+        named = f" ({unquote(url.path)})" if url.path and not (url.query or url.fragment) else ""
+        raise UserError(f"{key}={value}: a file URL; pass the folder's path itself{named}")
 
 
 def make_writable(key: str, path: Path, made: list[Path]) -> None:

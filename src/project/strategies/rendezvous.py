@@ -24,14 +24,14 @@ from project.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def _listen_on(address: str, port: int) -> tuple[int, int]:
-    """A listening socket on `address` only, and its port; the descriptor is handed to (and closed by) the
-    TCPStore."""
+def _listen_on(address: str, port: int, torchrun: bool = False) -> tuple[int, int]:
+    """A listening socket on `address` only, and its port (0: a free one, as under torchrun); the descriptor is
+    handed to (and closed by) the TCPStore."""
     try:
         family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
         server = socket.create_server((address, port), family=family, backlog=128)
     except OSError as e:
-        if port == 0:  # torchrun's rank 0: a free port of MASTER_ADDR, which the user did not choose
+        if torchrun:  # rank 0's own store, on a free port of MASTER_ADDR: no port the user chose
             raise UserError(
                 f"cannot listen on MASTER_ADDR={address} ({e.strerror or e}): rank 0 hosts the run's store on a free "
                 "port of MASTER_ADDR, which on one machine must be an address of this machine (127.0.0.1)"
@@ -124,7 +124,8 @@ def _store_of_this_attempt(rank: int, world: int, nodes: int, timeout_s: int) ->
     try:
         agent = dist.TCPStore(address, int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
         if rank == 0:
-            listen_fd, port = _listen_on(address, 0) if nodes == 1 else (None, 0)  # several nodes: every interface
+            # one node: MASTER_ADDR only; several: every interface
+            listen_fd, port = _listen_on(address, 0, torchrun=True) if nodes == 1 else (None, 0)
             store = dist.TCPStore(
                 address, port, world, is_master=True, timeout=wait, wait_for_workers=False, master_listen_fd=listen_fd
             )
