@@ -133,16 +133,8 @@ class TensorBoardInsights(L.Callback):
         if self._due(trainer):
             self._collect(trainer, pl_module, outputs, batch, "validation_step")
 
-    def on_test_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._collect(trainer, pl_module, outputs, batch, "test_step")
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self._collect(trainer, pl_module, outputs, args[0], "test_step")  # args: the batch, its index, ...
 
     def _collect(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, step: str) -> None:
         """A batch's counts for the confusion matrix, and the first batch's digits for the grid."""
