@@ -81,6 +81,13 @@ def test_torch_internals_used_by_dp_and_the_tensorboard_logger():
     assert replica._parameters == {} and set(replica._buffers) == set() and replica._modules == {}
     assert callable(SummaryWriter._get_file_writer)  # loggers/tensorboard.py, callbacks/tensorboard.py
     assert "master_listen_fd" in torch.distributed.TCPStore.__init__.__doc__  # strategies/rendezvous.py
+    # callbacks/tensorboard.py: the graph add_graph writes, traced without its check
+    from torch.utils.tensorboard import _pytorch_graph as pytorch_graph
+
+    assert list(inspect.signature(pytorch_graph.parse).parameters) == ["graph", "trace", "args", "omit_useless_nodes"]
+    for name in ("DeviceStepStats", "RunMetadata", "StepStats", "GraphDef", "VersionDef"):
+        assert callable(getattr(pytorch_graph, name))
+    assert callable(torch._C._jit_pass_inline)
 
 
 def test_omegaconf_internals_used_by_the_config_checks():

@@ -341,3 +341,24 @@ def test_a_confusion_matrix_sized_by_the_labels_grows_with_them(tmp_path):
         (events,) = (tmp_path / str(returns)).glob("events.out.tfevents.*")
         images = EventAccumulator(str(events), size_guidance={"images": 0}).Reload().Tags()["images"]
         assert images == (["test/confusion_matrix"] if returns else [])
+
+
+def test_the_graph_is_traced_once_without_torchs_trace_check(make_cfg, monkeypatch):
+    """SummaryWriter.add_graph traces with torch.jit.trace's check_trace: two more traces, compared, about 50 ms
+    of every run's first step against 10 ms for the graph itself. The graph is only drawn, so it is traced once;
+    TensorBoard still gets it, for a user's net too."""
+    import torch.jit._trace as tracing
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from project.tasks.training import train
+
+    checks: list[str] = []
+    check = tracing._check_trace
+    monkeypatch.setattr(tracing, "_check_trace", lambda *a, **k: (checks.append("check"), check(*a, **k))[1])
+    user_net = ("~model.net", "+model.net._target_=user_models.TutorialCNN")
+    cfg = make_cfg("profile=tiny", *user_net, "test=false", "trainer.max_epochs=1")
+    train(cfg)
+    (events,) = Path(cfg.paths.output_dir).glob("tensorboard/events.out.tfevents.*")
+    found = EventAccumulator(str(events)).Reload()
+    assert found.Tags()["graph"] and any("Conv2d" in node.op or "conv" in node.name for node in found.Graph().node)
+    assert checks == []
