@@ -83,11 +83,16 @@ def test_torch_internals_used_by_dp_and_the_tensorboard_logger():
     assert "master_listen_fd" in torch.distributed.TCPStore.__init__.__doc__  # strategies/rendezvous.py
     # callbacks/tensorboard.py: the graph add_graph writes, traced without its check
     from torch.utils.tensorboard import _pytorch_graph as pytorch_graph
+    from torch.utils.tensorboard.writer import FileWriter
 
-    assert list(inspect.signature(pytorch_graph.parse).parameters) == ["graph", "trace", "args", "omit_useless_nodes"]
-    for name in ("DeviceStepStats", "RunMetadata", "StepStats", "GraphDef", "VersionDef"):
-        assert callable(getattr(pytorch_graph, name))
-    assert callable(torch._C._jit_pass_inline)
+    from project.callbacks.tensorboard import _graph
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Flatten()).eval()
+    example = torch.zeros(2, 1, 5, 5)
+    assert [p.SerializeToString() for p in _graph(net, example)] == [
+        p.SerializeToString() for p in pytorch_graph.graph(net, example)
+    ]  # what SummaryWriter.add_graph writes
+    assert list(inspect.signature(FileWriter.add_graph).parameters)[:2] == ["self", "graph_profile"]
 
 
 def test_omegaconf_internals_used_by_the_config_checks():

@@ -360,5 +360,21 @@ def test_the_graph_is_traced_once_without_torchs_trace_check(make_cfg, monkeypat
     train(cfg)
     (events,) = Path(cfg.paths.output_dir).glob("tensorboard/events.out.tfevents.*")
     found = EventAccumulator(str(events)).Reload()
-    assert found.Tags()["graph"] and any("Conv2d" in node.op or "conv" in node.name for node in found.Graph().node)
+    assert found.Tags()["graph"] and any(node.op == "aten::_convolution" for node in found.Graph().node)
     assert checks == []
+
+
+def test_drawing_the_graph_leaves_each_submodules_mode_as_it_was():
+    """The graph is traced in eval mode; afterwards every submodule is back in its own mode: a part the user keeps
+    in eval (a frozen BatchNorm backbone) stayed in train mode after the graph before, and BatchNorm's batch count
+    is not moved by the trace."""
+    import torch
+    from torch import nn
+
+    from project.callbacks.tensorboard import _graph
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(1352, 10))
+    net[1].eval()  # frozen by the user
+    _graph(net, torch.zeros(2, 1, 28, 28))
+    assert [m.training for m in net.modules()] == [True, True, False, True, True, True]
+    assert int(net[2].num_batches_tracked) == 0  # traced in eval mode

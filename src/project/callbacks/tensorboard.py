@@ -46,12 +46,19 @@ def _padded(matrix: Tensor, classes: int) -> Tensor:
 
 
 def _graph(net: torch.nn.Module, example: Tensor) -> tuple[Any, Any]:
-    """What SummaryWriter.add_graph writes, traced once. add_graph traces with torch.jit.trace's check_trace: two more
-    traces, compared, about 50 ms of a run's first step for a small conv net against 10 ms for the graph itself (in
-    a process without Lightning's imports, 0.58 s). A graph that is only drawn needs no check."""
+    """What SummaryWriter.add_graph writes, traced once and in eval mode. add_graph traces with torch.jit.trace's
+    check_trace: two more traces, compared, about 50 ms of a run's first step for a small conv net against 10 ms for
+    the graph itself (in a process without Lightning's imports, 0.58 s). A graph that is only drawn needs no check.
+    Each submodule gets its own mode back (a part the user keeps in eval stays so)."""
     from torch.utils.tensorboard import _pytorch_graph as pytorch_graph
 
-    trace = torch.jit.trace(net, example, check_trace=False)
+    modes = [(module, module.training) for module in net.modules()]
+    net.eval()
+    try:
+        trace = torch.jit.trace(net, example, check_trace=False)
+    finally:
+        for module, training in modes:
+            module.training = training
     torch._C._jit_pass_inline(trace.graph)
     nodes = pytorch_graph.parse(trace.graph, trace, example)
     devices = [pytorch_graph.DeviceStepStats(device="/device:CPU:0")]  # as torch's: the device is not shown
@@ -251,8 +258,6 @@ class TensorBoardInsights(L.Callback):
         if not _one_process(trainer):
             log.info("TensorBoard graph: drawn for one-device runs only (tracing needs the whole net in one process)")
             return
-        was_training = net.training
-        net.eval()
         try:
             with warnings.catch_warnings():  # torch.jit.trace is deprecated in favour of export, but TensorBoard's
                 warnings.simplefilter("ignore", FutureWarning)  # graph is drawn from it; nothing a user can change
@@ -261,8 +266,6 @@ class TensorBoardInsights(L.Callback):
                 )
         except Exception as e:  # a net that cannot be traced still trains; say why it has no graph
             log.warning(f"TensorBoard graph: {type(e).__name__}: {e}")
-        finally:
-            net.train(was_training)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if not self.histograms or not trainer.is_global_zero or not _one_process(trainer):
