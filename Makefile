@@ -37,6 +37,7 @@ bench:  ## the speed suite, a few minutes on CPU: benchmarks/results/*.{json,png
 	$(BIN)/python benchmarks/whole_run.py
 	$(BIN)/python benchmarks/step_loop.py
 	$(BIN)/python benchmarks/figures.py
+	$(BIN)/python benchmarks/graph.py
 	$(BIN)/python benchmarks/per_call.py
 	$(BIN)/python benchmarks/data_path.py
 	$(BIN)/python benchmarks/ddp.py

@@ -344,9 +344,9 @@ def test_a_confusion_matrix_sized_by_the_labels_grows_with_them(tmp_path):
 
 
 def test_the_graph_is_traced_once_without_torchs_trace_check(make_cfg, monkeypatch):
-    """SummaryWriter.add_graph traces with torch.jit.trace's check_trace: two more traces, compared, about 50 ms
-    of every run's first step against 10 ms for the graph itself. The graph is only drawn, so it is traced once;
-    TensorBoard still gets it, for a user's net too."""
+    """SummaryWriter.add_graph traces with torch.jit.trace's check_trace: two more traces, compared, about twice
+    the time of tracing once at every run's first step (benchmarks/graph.py). The graph is only drawn, so it is
+    traced once; TensorBoard still gets it, for a user's net too."""
     import torch.jit._trace as tracing
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
