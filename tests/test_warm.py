@@ -134,8 +134,8 @@ def test_what_a_child_prints_after_the_run_ended_is_in_its_streams(tmp_path):
 
 
 def test_modules_are_compiled_once_into_a_folder_of_their_own_and_again_when_changed(tmp_path):
-    """Warm runs keep the bytecode of what they import (the project's modules: about 0.05 s of each run) in the
-    client's private folder, whatever PYTHONDONTWRITEBYTECODE says, and never beside the sources."""
+    """Warm runs keep the bytecode of what they import (the project's modules, compiled again at every run before)
+    in the client's private folder, whatever PYTHONDONTWRITEBYTECODE says, and never beside the sources."""
     (tmp_path / "main.py").write_text("import mod\nprint(mod.VALUE)\n")
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     compiled = WARM.bytecode / str(tmp_path).lstrip("/") / f"mod.{sys.implementation.cache_tag}.pyc"

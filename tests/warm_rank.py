@@ -1,11 +1,11 @@
 """`python -I -S warm_rank.py <address> <script> <args>`: stands in for `python <script> <args>` (or `python -m
 <module> <args>`) when a run in the warm interpreter starts another process of itself (DDP's other ranks, a sweep's
-job in a fresh process, a parallel sweep's joblib workers). The process is forked from tests/warm.py's zygote, which
-has the imports already paid; this stand-in, with only the standard library and no site (about 20 ms), hands over
-its working directory, environment and every open file descriptor at its number (stdin, stdout, stderr, the pipes
-joblib's workers are given), passes on every signal it gets, and ends as that process ends (the same exit code, or
-killed by the same signal), so the run that started it sees no difference. If this stand-in is killed outright, the
-zygote kills the process.
+job in a fresh process, a parallel sweep's joblib workers). The process is forked from tests/warm_server.py's
+zygote, which has the imports already paid; this stand-in, with only the standard library and no site (about
+20 ms), hands over its working directory, environment and every open file descriptor at its number (stdin, stdout,
+stderr, the pipes joblib's workers are given), passes on every signal it gets, and ends as that process ends (the
+same exit code, or killed by the same signal), so the run that started it sees no difference. If this stand-in is
+killed outright, the zygote kills the process.
 """
 
 import json
