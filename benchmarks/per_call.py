@@ -1,4 +1,4 @@
-"""`make bench`: what four per-call costs of the training loop are, with Lightning's and the template's way.
+"""`make bench`: what six per-call costs of the training loop are, with Lightning's and the template's way.
 
 - `self.log` of a step value and of a metric object: Lightning's result collection with its own `_ResultMetric.to`
   (a move to the device on every call) and with project.loggers.logged_values' (no move when already there);
@@ -11,6 +11,11 @@
   last.ckpt are saved one after the other (the second does not wait for the first's write), or last.ckpt is made
   from the best file (a hard link, when both hold the same state; Lightning's collection of the state, which that
   also saves, is not in this timing).
+- the copy of the logged metrics that both checkpoint callbacks make before every save decision (twice an epoch),
+  for a classifier's eight: Lightning's `ModelCheckpoint._monitor_candidates` (a deep copy of each tensor) and
+  project.callbacks.checkpoint's (a clone of each);
+- a TensorBoard `log_metrics` call with an epoch's four validation scalars: Lightning's logger (an event per
+  scalar) and project.loggers.tensorboard's (one event a call), both writing to a local folder;
 - an optimizer step (Adam on the MLP, a batch of 64's gradients): with Lightning's NVML-based CUDA check, which on a
   machine without a GPU looks for the NVML library at every step, and answered by the CUDA runtime's cached count, as
   the template sets it when no GPU is visible (project.launch.devices). Only with the CUDA build of torch.
@@ -32,6 +37,7 @@ from timing import interleaved, summary, write_results
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from project.callbacks.checkpoint import BestCheckpoint
 from project.launch.devices import NVML_CHECK
 from project.loggers import logged_values
 from project.models.metrics import Accuracy, Mean
@@ -85,6 +91,37 @@ def checkpoint(net: torch.nn.Module) -> dict[str, Any]:
         k: {"exp_avg": v.clone(), "exp_avg_sq": v.clone(), "step": torch.tensor(1.0)} for k, v in weights.items()
     }
     return {"state_dict": weights, "optimizer_states": [{"state": moments}], "epoch": 1}
+
+
+def metric_snapshots(calls: int) -> dict[str, Callable[[], float]]:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    names = ("val/loss", "val/acc", "val/acc_best", "train/loss_epoch", "train/acc", "lr-Adam", "epoch", "step")
+    trainer = SimpleNamespace(callback_metrics={name: torch.tensor(0.5) for name in names}, current_epoch=3)
+    trainer.global_step = 165
+    lightnings, mine = ModelCheckpoint(), BestCheckpoint()
+    return {
+        "Lightning's (deep copies)": lambda: per_call_us(lambda: lightnings._monitor_candidates(trainer), calls),
+        "project.callbacks.checkpoint (clones)": lambda: per_call_us(lambda: mine._monitor_candidates(trainer), calls),
+    }
+
+
+def tensorboard_writes(calls: int, folder: Path) -> dict[str, Callable[[], float]]:
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningsLogger
+
+    from project.loggers.tensorboard import TensorBoardLogger
+
+    metrics = {"val/loss": torch.tensor(0.3), "val/acc": torch.tensor(0.9), "val/acc_best": torch.tensor(0.92)}
+    loggers = {
+        "Lightning's (an event a scalar)": LightningsLogger(str(folder), name="lightning", default_hp_metric=False),
+        "project.loggers.tensorboard (an event a call)": TensorBoardLogger(str(folder), name="template"),
+    }
+    return {
+        name: partial(lambda logger: per_call_us(lambda: logger.log_metrics({**metrics, "epoch": 3}, 7), calls), logger)
+        for name, logger in loggers.items()
+    }
 
 
 def optimizer_steps(calls: int) -> dict[str, Callable[[], float]]:
@@ -158,6 +195,8 @@ def main() -> None:
             **{f"{k}, move skipped": v for k, v in logging(logged_values._to, args.calls).items()},
         },
         "metric updates, µs a training step": metric_updates(args.calls),
+        "checkpoint callbacks' copy of eight logged metrics, µs a call": metric_snapshots(args.calls),
+        "TensorBoard log_metrics of four scalars, µs a call": tensorboard_writes(args.calls, folder),
         "Adam's step on the MLP, µs, no GPU": optimizer_steps(args.calls),
         **saves(folder),
     }

@@ -378,3 +378,41 @@ def test_a_file_url_for_a_folder_is_one_line_naming_the_path_and_nothing_is_writ
                 train(cfg)
             assert str(refused.value) == f"{key}={url}: a file URL; pass the folder's path itself ({folder})"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not list((tmp_path / "out").iterdir())
+
+
+def test_the_metrics_a_checkpoint_callback_decides_on_are_cloned_not_deep_copied(make_cfg, monkeypatch):
+    """Both checkpoint callbacks copy the logged metrics before every save decision (twice an epoch), so that a
+    metric changed later does not change the score they keep. Lightning deep-copies each tensor, ten times a
+    clone's cost for a classifier's eight metrics (benchmarks/per_call.py); a clone is as independent. Same keys,
+    values and dtypes as Lightning's, for a user's module fitted for real."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from project.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
+    from project.tasks.training import train
+
+    seen = []
+
+    class Keep(BestCheckpoint):
+        def on_train_end(self, trainer, pl_module):
+            seen.append(trainer)
+            super().on_train_end(trainer, pl_module)
+
+    cfg = make_cfg(*USERS_MODULE_3_EPOCHS)
+    cfg.callbacks.model_checkpoint._target_ = f"{__name__}.Keep"
+    globals()["Keep"] = Keep
+    train(cfg)
+    (trainer,) = seen
+    trainer.callback_metrics["extra"] = torch.tensor([1.5, 2.5], dtype=torch.float64)
+    lightnings = ModelCheckpoint._monitor_candidates(ModelCheckpoint(), trainer)
+    deep_copies, deepcopy = [], torch.Tensor.__deepcopy__
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", lambda self, memo: deep_copies.append(1) or deepcopy(self, memo))
+    for callback in (BestCheckpoint(), LastCheckpoint(dirpath="unused")):
+        mine = callback._monitor_candidates(trainer)
+        assert list(mine) == list(lightnings)
+        for key, value in lightnings.items():
+            assert mine[key].dtype == value.dtype and torch.equal(mine[key], value), key
+            assert mine[key] is not trainer.callback_metrics.get(key)
+        trainer.callback_metrics["extra"].add_(1)  # a metric changed in place later leaves the copy as it was
+        assert torch.equal(mine["extra"], lightnings["extra"])
+        trainer.callback_metrics["extra"].sub_(1)
+    assert not deep_copies

@@ -45,6 +45,10 @@ def test_lightning_internals_used_by_strategies_launch_and_loggers():
     assert "trainer.strategy.remove_checkpoint(filepath)" in inspect.getsource(ModelCheckpoint._remove_checkpoint)
     source = inspect.getsource(ModelCheckpoint._update_best_and_save)  # the new best is saved, then the old removed
     assert -1 < source.index("self._save_checkpoint(") < source.index("self._remove_checkpoint(")
+    # ... and its metric snapshot is Lightning's, with clones for the deep copy
+    source = inspect.getsource(ModelCheckpoint._monitor_candidates)
+    assert "deepcopy(trainer.callback_metrics)" in source
+    assert 'monitor_candidates["epoch"] = epoch.int()' in source and 'monitor_candidates["step"] = step.int()' in source
 
 
 def test_torchmetrics_internals_used_by_dp():

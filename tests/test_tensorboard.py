@@ -378,3 +378,42 @@ def test_drawing_the_graph_leaves_each_submodules_mode_as_it_was():
     _graph(net, torch.zeros(2, 1, 28, 28))
     assert [m.training for m in net.modules()] == [True, True, False, True, True, True]
     assert int(net[2].num_batches_tracked) == 0  # traced in eval mode
+
+
+def test_a_log_call_is_one_event_and_tensorboard_reads_what_lightnings_logger_writes(tmp_path):
+    """Lightning's TensorBoard logger writes an event per scalar (a summary, an event, its serialization and a record
+    each: benchmarks/per_call.py); the template's writes one event a call holding every scalar of it.
+    TensorBoard reads the same tags, steps and values from both; a dict stays a run of its own per key, and a value
+    that is not a number is the same error."""
+    import numpy as np
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningsLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from project.loggers.tensorboard import TensorBoardLogger
+
+    calls = [
+        ({"val/loss": torch.tensor(0.25), "val/acc": 0.5, "epoch": 3, "count": np.float32(2.0)}, 7),
+        ({"lr": {"a": 0.1, "b": 0.2}, "val/loss": 0.125}, 8),
+        ({"train/loss_step": torch.tensor([1.5])}, None),
+    ]
+    read, events = {}, {}
+    for name, logger in {
+        "lightning": LightningsLogger(str(tmp_path), name="lightning", version="", default_hp_metric=False),
+        "template": TensorBoardLogger(str(tmp_path), name="template", version=""),
+    }.items():
+        for metrics, step in calls:
+            logger.log_metrics(metrics, step)
+        with pytest.raises(ValueError, match="you tried to log text which is currently not supported"):
+            logger.log_metrics({"note": "text"}, 9)
+        logger.finalize("success")
+        run = Path(logger.log_dir)
+        scalars = EventAccumulator(str(run)).Reload()
+        read[name] = {tag: [(e.step, e.value) for e in scalars.Scalars(tag)] for tag in scalars.Tags()["scalars"]}
+        read[name]["runs"] = sorted(p.relative_to(run).as_posix() for p in run.iterdir() if p.is_dir())
+        (events_file,) = run.glob("events.out.tfevents.*")
+        events[name] = [len(e.summary.value) for e in EventFileLoader(str(events_file)).Load() if e.summary.value]
+    assert read["template"] == read["lightning"]
+    assert read["template"]["val/loss"] == [(7, 0.25), (8, 0.125)] and read["template"]["runs"] == ["lr_a", "lr_b"]
+    assert events == {"lightning": [1, 1, 1, 1, 1, 1], "template": [4, 1, 1]}

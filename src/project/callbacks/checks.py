@@ -23,6 +23,7 @@ are installed at `setup` (so they are what Lightning puts back after each stage)
 stage, over Lightning's.
 """
 
+import math
 import signal
 import sys
 from pathlib import Path
@@ -52,13 +53,16 @@ def _requeued_by_lightning(trainer: L.Trainer) -> bool:
 
 def _norm_sum(tensors: list[Any], device: torch.device) -> torch.Tensor:
     """One float32 number on `device`, inf or nan when any element of any tensor is not finite: the sum of their
-    norms (0 for none)."""
+    norms (0 for none). Three tensor ops whatever their number (no detach: no graph is recorded here)."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP's DTensors: this rank's shard
     local = [t for t in local if t.numel()]
     if not local:
         return torch.zeros((), device=device)
-    norms = torch._foreach_norm(local, 2, dtype=torch.float32)  # fp16's own would overflow for sound weights
-    return torch.stack([n.to(device) for n in norms]).sum()  # pipe's stages sit on several devices
+    with torch.no_grad():
+        norms = list(torch._foreach_norm(local, 2, dtype=torch.float32))  # fp16's own would overflow sound weights
+        if any(n.device != device for n in norms):  # pipe's stages sit on several devices
+            norms = [n.to(device) for n in norms]
+        return torch.stack(norms).sum()
 
 
 def _versions(module: L.LightningModule) -> int:
@@ -109,17 +113,21 @@ class RunChecks(L.Callback):
         if self._stopping:
             return
         device = trainer.strategy.root_device
-        zero = torch.zeros((), device=device)
-        weights = _norm_sum([p.detach() for p in pl_module.parameters()], device)
-        losses = self._losses.to(device) if self._losses is not None else zero
-        last = self._last.to(device) if self._last is not None else zero
-        # 1 where the losses' sum or the weights' norms are not finite, the signal, the last loss
-        found = torch.stack([losses, weights, zero, last])
-        found[:2] = found[:2].isfinite().logical_not()
-        found[2] = float(self.signum if signals else 0)
+        weights = _norm_sum(list(pl_module.parameters()), device)
+        losses = self._losses.to(device) if self._losses is not None else weights.new_zeros(())
+        last = self._last.to(device) if self._last is not None else weights.new_zeros(())
+        signum = float(self.signum if signals else 0)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # 1 where the losses' sum or the weights' norms are not finite (a max over the ranks of a NaN itself is
+            # not reliable), the signal, the last loss
+            found = torch.stack([losses, weights, weights.new_zeros(()), last])
+            found[:2] = found[:2].isfinite().logical_not()
+            found[2] = signum
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        bad_loss, bad_weights, signum_found, last_loss = found.tolist()  # the one host sync
+            bad_loss, bad_weights, signum_found, last_loss = found.tolist()  # the one host sync
+        else:  # one process: the numbers read back as they are (the one host sync) and checked here
+            loss_sum, weight_sum, last_loss = torch.stack([losses, weights, last]).tolist()
+            bad_loss, bad_weights, signum_found = not math.isfinite(loss_sum), not math.isfinite(weight_sum), signum
         if bad_loss or bad_weights:
             self._stopping = True
             raise self._diverged(trainer, "loss" if bad_loss else "weights")

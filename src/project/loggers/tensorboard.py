@@ -148,6 +148,37 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self._summary_written = True
 
     @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Lightning's, with every scalar of a call in one event: Lightning writes an event per scalar (a summary,
+        an event, its serialization and a record each), twice this one's time for an epoch's four validation
+        scalars (benchmarks/per_call.py); a classifier's epoch logs about twenty. TensorBoard reads the same tags,
+        steps and values. A dict is still a run of its own per key (`add_scalars`), and a call with a value that is
+        not a number writes nothing."""
+        from lightning.fabric.utilities.logger import _add_prefix
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch import Tensor
+        from torch.utils.tensorboard.summary import scalar
+
+        summary = Summary()
+        groups: dict[str, Any] = {}  # the dicts, each a run of its own per key
+        for key, value in _add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR).items():
+            if isinstance(value, Tensor):
+                value = value.item()
+            if isinstance(value, dict):
+                groups[key] = value
+                continue
+            try:
+                summary.value.extend(scalar(key, value).value)
+            except Exception as e:
+                raise ValueError(
+                    f"\n you tried to log {value} which is currently not supported. Try a dict or a scalar/tensor."
+                ) from e
+        if summary.value:
+            self.experiment._get_file_writer().add_summary(summary, step)
+        for key, values in groups.items():
+            self.experiment.add_scalars(key, values, step)
+
+    @rank_zero_only
     def save(self) -> None:
         """Lightning calls this after every `log_metrics` (every `log_every_n_steps` and at each epoch's end): it
         waited for the event writer's queue to drain and looked for hparams.yaml on disk each time, 5-8 ms an epoch
