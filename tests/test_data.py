@@ -31,6 +31,41 @@ def test_mnist_5k_is_5000_real_distinct_digits():
     assert len(set(hashes(images))) == 5000
 
 
+def test_the_digits_file_is_parsed_once_a_process_and_each_read_gets_tensors_of_its_own(tmp_path, monkeypatch):
+    """A sweep's jobs run one after the other in one process (Hydra's basic launcher): the file is parsed once, and
+    again only when it changes. Every read returns tensors of its own: a job that changes them in place changes no
+    other job's data. A file the test writes in the real format (784 pixels, then the label, per row)."""
+    import gzip
+    import os
+
+    import numpy as np
+
+    from project.data import digits as module
+
+    path = tmp_path / "mnist_5k.csv.gz"
+
+    def write(label: int) -> None:
+        rows = np.arange(3 * 785).reshape(3, 785) % 256
+        rows[:, -1] = label
+        with gzip.open(path, "wt") as f:
+            np.savetxt(f, rows, fmt="%d", delimiter=",")
+
+    write(7)
+    monkeypatch.setattr(module, "mnist_5k_path", lambda: path)
+    parses, loadtxt = [], np.loadtxt
+    monkeypatch.setattr(np, "loadtxt", lambda *a, **k: parses.append(1) or loadtxt(*a, **k))
+    images, labels = module.read_mnist_5k()
+    images.fill_(0)
+    labels.fill_(0)
+    images, labels = module.read_mnist_5k()
+    assert len(parses) == 1
+    assert images.shape == (3, 28, 28) and images[0, 0, :3].tolist() == [0, 1, 2] and labels.tolist() == [7, 7, 7]
+    modified = path.stat().st_mtime_ns
+    write(3)
+    os.utime(path, ns=(modified + 10**9, modified + 10**9))  # a changed file, even within the clock's resolution
+    assert module.read_mnist_5k()[1].tolist() == [3, 3, 3] and len(parses) == 2
+
+
 def test_digits_splits_are_disjoint_shuffled_and_normalized(digits):
     sizes = {name: len(ds) for name, ds in digits.splits.items()}
     assert sizes == {"train": 3500, "val": 500, "test": 1000}

