@@ -337,7 +337,7 @@ def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg
 def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(make_cfg, monkeypatch, tmp_path, links):
     """An epoch whose checkpoint is the best so far saves the same state twice, as its best file and as last.ckpt,
     one callback right after the other. It is collected and serialized once (the MLP's pair holds the training
-    thread 1.6 ms instead of 3.4: benchmarks/per_call.py), and last.ckpt is a hard link to the best file, or a copy of
+    thread 1.3 ms instead of 2.4: benchmarks/per_call.py), and last.ckpt is a hard link to the best file, or a copy of
     it where the filesystem has no links. A user's module, 3 epochs."""
     import errno
 

@@ -108,8 +108,9 @@ class RunChecks(L.Callback):
     # ------------------------------------------------------------ where the ranks agree
 
     def _agree(self, trainer: L.Trainer, pl_module: L.LightningModule, signals: bool) -> None:
-        """One collective of four numbers and one host sync: diverged anywhere (a loss, a weight)? a signal
-        anywhere? (and the last loss, for the report). Then act. `signals=False` (inside a save): divergence only."""
+        """One collective of four numbers and one host sync (in one process, the sync alone): diverged anywhere (a
+        loss, a weight)? a signal anywhere? (and the last loss, for the report). Then act. `signals=False` (inside a
+        save): divergence only."""
         if self._stopping:
             return
         device = trainer.strategy.root_device
