@@ -382,9 +382,9 @@ def test_a_file_url_for_a_folder_is_one_line_naming_the_path_and_nothing_is_writ
 
 def test_the_metrics_a_checkpoint_callback_decides_on_are_cloned_not_deep_copied(make_cfg, monkeypatch):
     """Both checkpoint callbacks copy the logged metrics before every save decision (twice an epoch), so that a
-    metric changed later does not change the score they keep. Lightning deep-copies each tensor, ten times a
-    clone's cost for a classifier's eight metrics (benchmarks/per_call.py); a clone is as independent. Same keys,
-    values and dtypes as Lightning's, for a user's module fitted for real."""
+    metric changed later does not change the score they keep. Lightning deep-copies each tensor, about
+    eight times a clone's cost for a classifier's eight metrics (benchmarks/per_call.py); a clone is as independent.
+    Same keys, values and dtypes as Lightning's, for a user's module fitted for real."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from project.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
@@ -399,7 +399,7 @@ def test_the_metrics_a_checkpoint_callback_decides_on_are_cloned_not_deep_copied
 
     cfg = make_cfg(*USERS_MODULE_3_EPOCHS)
     cfg.callbacks.model_checkpoint._target_ = f"{__name__}.Keep"
-    globals()["Keep"] = Keep
+    monkeypatch.setitem(globals(), "Keep", Keep)
     train(cfg)
     (trainer,) = seen
     trainer.callback_metrics["extra"] = torch.tensor([1.5, 2.5], dtype=torch.float64)

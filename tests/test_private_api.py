@@ -32,6 +32,14 @@ def test_lightning_internals_used_by_strategies_launch_and_loggers():
     assert "cluster_environment" in inspect.signature(_SubprocessScriptLauncher).parameters
     # loggers/tensorboard.py writes the HParams summary through the writer's file writer
     assert "default_hp_metric" in inspect.signature(TensorBoardLogger).parameters
+    # ... and its log_metrics is Lightning's, with one event a call: Lightning's still prefixes the keys and writes a
+    # scalar each, a dict as runs of their own
+    from lightning.fabric.loggers.tensorboard import TensorBoardLogger as FabricsLogger
+
+    source = inspect.getsource(FabricsLogger.log_metrics)
+    assert "_add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)" in source
+    assert "self.experiment.add_scalars(k, v, step)" in source and "self.experiment.add_scalar(k, v, step)" in source
+    assert TensorBoardLogger.log_metrics is FabricsLogger.log_metrics  # Lightning's pytorch logger adds nothing to it
     # loggers/logged_values.py: every self.log moves its result object with `.to(<a device>)`, the call it shortens
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 

@@ -157,7 +157,9 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
             self.ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    def agreement(net: torch.nn.Module, loss: float, signum: int = 0) -> list[str]:
+    def agreement(net: torch.nn.Module, loss: float = 1.0, signum: int = 0, weight: float | None = None) -> RunChecks:
+        """A first agreement at step 20 on a sound run, then at step 40 the one counted: after a step whose loss was
+        `loss`, with a signal `signum` recorded, and a weight set to `weight`."""
         checks = RunChecks(every_n_steps=20)
         trainer = SimpleNamespace(
             global_step=20,
@@ -166,25 +168,33 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
             strategy=SimpleNamespace(root_device=torch.device("cpu")),
         )
         checks.on_train_batch_end(trainer, net, torch.tensor(0.5), None, 0)  # an agreement: step 20
-        checks._losses = checks._losses + loss
+        assert checks._agreed_at == 20 and checks._last_finite == 0.5
+        trainer.global_step = 39
+        checks.on_train_batch_end(trainer, net, torch.tensor(loss), None, 1)  # no agreement at step 39
         checks.signum, trainer.global_step = signum, 40
+        if weight is not None:
+            with torch.no_grad():
+                next(net.parameters()).view(-1)[0] = weight
         stopped = []
         checks._stop = lambda trainer, signum: stopped.append(signum)
         with Ops() as agreed:
             checks._agree(trainer, net, signals=True)
         assert stopped == ([signum] if signum else [])
-        return agreed.ops
+        checks.ops = agreed.ops
+        return checks
 
     small, large = torch.nn.Linear(3, 2), ResidualNet()
     assert len(list(large.parameters())) > 10
-    assert agreement(small, 1.0) == agreement(large, 1.0) == ["_foreach_norm", "stack", "sum", "stack"]
-    assert agreement(large, 1.0, signum=15)
-    with pytest.raises(DivergedError, match="the loss stopped being finite"):
-        agreement(large, float("nan"))
-    with torch.no_grad():
-        next(large.parameters())[0] = float("inf")
-    with pytest.raises(DivergedError, match="the weights stopped being finite"):
-        agreement(large, 1.0)
+    ops = ["_foreach_norm", "stack", "sum", "stack"]
+    assert agreement(small).ops == agreement(large).ops == agreement(large, signum=15).ops == ops
+    sound = agreement(large, loss=0.25)
+    assert (sound._agreed_at, sound._last_finite) == (40, 0.25)  # where the run was last known sound, and its loss
+    for loss in (float("nan"), float("inf")):
+        with pytest.raises(DivergedError, match="between steps 20 and 40: the loss stopped being finite"):
+            agreement(large, loss=loss)
+    for weight in (float("nan"), float("-inf")):
+        with pytest.raises(DivergedError, match="between steps 20 and 40: the weights stopped being finite"):
+            agreement(ResidualNet(), weight=weight)
 
 
 def test_finite_fp16_weights_whose_norm_fp16_cannot_hold_are_not_a_divergence():

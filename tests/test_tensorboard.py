@@ -383,8 +383,9 @@ def test_drawing_the_graph_leaves_each_submodules_mode_as_it_was():
 def test_a_log_call_is_one_event_and_tensorboard_reads_what_lightnings_logger_writes(tmp_path):
     """Lightning's TensorBoard logger writes an event per scalar (a summary, an event, its serialization and a record
     each: benchmarks/per_call.py); the template's writes one event a call holding every scalar of it.
-    TensorBoard reads the same tags, steps and values from both; a dict stays a run of its own per key, and a value
-    that is not a number is the same error."""
+    TensorBoard reads the same tags (prefixed), steps and values from both; a dict stays a run of its own per key,
+    and a value that is not a number is the same error, after which the template has written nothing of that call
+    (Lightning, the scalars before it)."""
     import numpy as np
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger as LightningsLogger
@@ -400,20 +401,25 @@ def test_a_log_call_is_one_event_and_tensorboard_reads_what_lightnings_logger_wr
     ]
     read, events = {}, {}
     for name, logger in {
-        "lightning": LightningsLogger(str(tmp_path), name="lightning", version="", default_hp_metric=False),
-        "template": TensorBoardLogger(str(tmp_path), name="template", version=""),
+        "lightning": LightningsLogger(str(tmp_path), "lightning", version="", prefix="fit", default_hp_metric=False),
+        "template": TensorBoardLogger(str(tmp_path), "template", version="", prefix="fit"),
     }.items():
         for metrics, step in calls:
             logger.log_metrics(metrics, step)
         with pytest.raises(ValueError, match="you tried to log text which is currently not supported"):
-            logger.log_metrics({"note": "text"}, 9)
+            logger.log_metrics({"sound": 1.0, "note": "text"}, 9)
         logger.finalize("success")
         run = Path(logger.log_dir)
-        scalars = EventAccumulator(str(run)).Reload()
-        read[name] = {tag: [(e.step, e.value) for e in scalars.Scalars(tag)] for tag in scalars.Tags()["scalars"]}
-        read[name]["runs"] = sorted(p.relative_to(run).as_posix() for p in run.iterdir() if p.is_dir())
+        runs = {".": run, **{p.name: p for p in sorted(run.iterdir()) if p.is_dir()}}
+        read[name] = {}
+        for key, folder in runs.items():
+            scalars = EventAccumulator(str(folder)).Reload()
+            for tag in scalars.Tags()["scalars"]:
+                read[name][f"{key}:{tag}"] = [(e.step, pytest.approx(e.value)) for e in scalars.Scalars(tag)]
         (events_file,) = run.glob("events.out.tfevents.*")
         events[name] = [len(e.summary.value) for e in EventFileLoader(str(events_file)).Load() if e.summary.value]
+    assert read["lightning"].pop(".:fit-sound") == [(9, 1.0)]  # written before the error; the template's is not
     assert read["template"] == read["lightning"]
-    assert read["template"]["val/loss"] == [(7, 0.25), (8, 0.125)] and read["template"]["runs"] == ["lr_a", "lr_b"]
-    assert events == {"lightning": [1, 1, 1, 1, 1, 1], "template": [4, 1, 1]}
+    assert read["template"][".:fit-val/loss"] == [(7, 0.25), (8, 0.125)]
+    assert read["template"]["fit-lr_a:fit-lr"] == [(8, 0.1)] and read["template"]["fit-lr_b:fit-lr"] == [(8, 0.2)]
+    assert events == {"lightning": [1, 1, 1, 1, 1, 1, 1], "template": [4, 1, 1]}

@@ -61,8 +61,8 @@ class WrittenInBackground(ModelCheckpoint):
 
     def _monitor_candidates(self, trainer: L.Trainer) -> dict[str, Any]:
         """Lightning's, with each logged metric cloned where Lightning deep-copies it: as independent of the metric's
-        own tensor (a later in-place change leaves it), at about a tenth of the cost for a classifier's eight metrics
-        (benchmarks/per_call.py). It runs before every save decision of both callbacks, twice an epoch."""
+        own tensor (a later in-place change leaves it), at about an eighth of the cost for a classifier's eight
+        metrics (benchmarks/per_call.py). It runs before every save decision of both callbacks, twice an epoch."""
         candidates = {
             key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
             for key, value in trainer.callback_metrics.items()

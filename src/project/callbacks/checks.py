@@ -54,11 +54,11 @@ def _requeued_by_lightning(trainer: L.Trainer) -> bool:
 def _norm_sum(tensors: list[Any], device: torch.device) -> torch.Tensor:
     """One float32 number on `device`, inf or nan when any element of any tensor is not finite: the sum of their
     norms (0 for none). Three tensor ops whatever their number (no detach: no graph is recorded here)."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP's DTensors: this rank's shard
-    local = [t for t in local if t.numel()]
-    if not local:
-        return torch.zeros((), device=device)
-    with torch.no_grad():
+    with torch.no_grad():  # a DTensor's to_local() too: with grad enabled it is an autograd function
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP's DTensors: this rank's shard
+        local = [t for t in local if t.numel()]
+        if not local:
+            return torch.zeros((), device=device)
         norms = list(torch._foreach_norm(local, 2, dtype=torch.float32))  # fp16's own would overflow sound weights
         if any(n.device != device for n in norms):  # pipe's stages sit on several devices
             norms = [n.to(device) for n in norms]

@@ -152,8 +152,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         """Lightning's, with every scalar of a call in one event: Lightning writes an event per scalar (a summary,
         an event, its serialization and a record each), twice this one's time for an epoch's four validation
         scalars (benchmarks/per_call.py); a classifier's epoch logs about twenty. TensorBoard reads the same tags,
-        steps and values. A dict is still a run of its own per key (`add_scalars`), and a call with a value that is
-        not a number writes nothing."""
+        steps and values. A dict is still a run of its own per key (`add_scalars`, after the call's scalars), and
+        a call with a scalar that is not a number writes nothing."""
         from lightning.fabric.utilities.logger import _add_prefix
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch import Tensor
