@@ -33,6 +33,8 @@ def measure(workers: int) -> dict[str, Any]:
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - started
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:  # what failed, and why: the figures alone do not say
+        print(proc.stdout[-8000:], file=sys.stderr)
     outcome = OUTCOME.findall(proc.stdout)
     return {
         "date": date.today().isoformat(),

@@ -8,11 +8,24 @@ import json
 
 import pytest
 from conftest import run_dirs
+from torch.utils._python_dispatch import TorchDispatchMode
 from user_models import LIT_AUTOENCODER
 
 pytestmark = pytest.mark.slow
 
 EVERY = 5
+
+
+class Ops(TorchDispatchMode):
+    """The tensor ops dispatched inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_a_ddp_step_makes_no_collective_and_no_host_sync_of_the_templates_between_agreements(cli, tmp_path):
@@ -103,19 +116,9 @@ def test_a_steps_checks_and_loss_mean_cost_two_tensor_ops_each():
     from types import SimpleNamespace
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from project.callbacks.checks import RunChecks
     from project.models.metrics import Mean
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     checks, mean = RunChecks(every_n_steps=20), Mean()
     trainer = SimpleNamespace(global_step=3)
@@ -143,19 +146,9 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
     from types import SimpleNamespace
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from user_models import ResidualNet
 
     from project.callbacks.checks import DivergedError, RunChecks
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def agreement(net: torch.nn.Module, loss: float = 1.0, signum: int = 0, weight: float | None = None) -> RunChecks:
         """A first agreement at step 20 on a sound run, then at step 40 the one counted: after a step whose loss was
