@@ -330,8 +330,8 @@ def test_sweep_jobs_in_one_process_each_end_their_wandb_run_as_they_ended(tmp_pa
 
 
 def _exit_codes(run: Any, within: float = 30.0) -> list[int]:
-    """The exit codes in a finished run's .wandb file. W&B's service process writes the file after finish() has
-    returned (the exit record was missing once, on a loaded machine): read again until one is there."""
+    """The exit codes in a finished run's .wandb file, which W&B's service process writes: read again until one is
+    there (this test failed once in a full suite, on a loaded machine; a record written late is one explanation)."""
     (offline,) = Path(run.dir).parent.parent.glob(f"offline-run-*-{run.id}")
     deadline = time.monotonic() + within
     while True:
