@@ -282,12 +282,13 @@ class SyncCounter(L.Callback):
 
 
 class SignalAt(L.Callback):
-    """$SIGNAL_AT=last_validation|test: this process sends itself SIGTERM as the last epoch's validation or the
-    test starts its first batch (a scheduler's stop at a point between training steps, deterministically)."""
+    """$SIGNAL_AT=first_validation|last_validation|test: this process sends itself SIGTERM as the first or the last
+    epoch's validation or the test starts its first batch (a scheduler's stop at a point between training steps,
+    deterministically)."""
 
     def on_validation_batch_start(self, trainer, pl_module, *args) -> None:
-        last = trainer.current_epoch == trainer.max_epochs - 1
-        if os.environ.get("SIGNAL_AT") == "last_validation" and last and not trainer.sanity_checking:
+        at = {"first_validation": 0, "last_validation": trainer.max_epochs - 1}.get(os.environ.get("SIGNAL_AT", ""))
+        if trainer.current_epoch == at and not trainer.sanity_checking:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_test_batch_start(self, trainer, pl_module, *args) -> None:

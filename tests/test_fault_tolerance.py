@@ -185,6 +185,23 @@ def test_a_signal_between_training_steps_is_honoured(tmp_path):
     assert json.loads((run / "test_metrics.json").read_text())["status"] == "interrupted"
 
 
+def test_a_signal_during_validation_stops_the_run_after_that_epochs_checkpoints(tmp_path):
+    """The epoch's best file is saved before the run stops (the stop came before the checkpoint callbacks, and the
+    epoch's best file was lost), and last.ckpt, the one the run continues from, knows it as its best."""
+    run_args = [*RUN[:-1], "+callbacks.probe._target_=probes.SignalAt"]
+    stopped = train(tmp_path / "val", *run_args, env={"SIGNAL_AT": "first_validation"}, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert line.startswith("stopped by SIGTERM at epoch 0, step 8:"), line
+    (run,) = run_dirs(tmp_path / "val" / "logs")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_000.ckpt", "last.ckpt"]
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 8 and last["epoch"] == 0
+    (best,) = [state for key, state in last["callbacks"].items() if key.startswith("ModelCheckpoint{'monitor': 'val/")]
+    assert Path(best["best_model_path"]).name == "epoch_000.ckpt"
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
+
+
 def test_sigterm_to_one_ddp_rank_stops_every_rank_without_a_hang(tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
@@ -231,6 +248,26 @@ def test_a_nan_gradient_with_a_finite_loss_stops_before_any_checkpoint_holds_it(
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 4
     assert all(bool(torch.isfinite(t).all()) for k, t in last["state_dict"].items() if k.startswith("net."))
+
+
+def test_a_divergence_names_the_last_good_checkpoint_where_the_callbacks_write(tmp_path):
+    """Checkpoints written outside the run dir (`dirpath`) are the ones the message names; it said "no checkpoint was
+    saved yet" with two in that folder."""
+    elsewhere = tmp_path / "elsewhere"
+    args = [
+        *RUN[:-2],
+        "+callbacks.probe._target_=probes.NanGradientAt",
+        "checks.every_n_steps=1000",
+        f"callbacks.model_checkpoint.dirpath={elsewhere}",
+        f"callbacks.last_checkpoint.dirpath={elsewhere}",
+    ]
+    proc = train(tmp_path / "work", *args, env={"NAN_GRAD_AT_STEP": "12"}, check=False)  # epoch 1 (8 steps each)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: diverged in epoch 1, between steps 8 and 16: the "), line
+    named = Path(line.split("the last good checkpoint is ")[1])
+    assert named.parent == elsewhere and named.is_file(), line
+    assert torch.load(named, map_location="cpu", weights_only=True)["global_step"] == 8
 
 
 def test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):

@@ -87,6 +87,7 @@ class RunChecks(L.Callback):
         self._agreed_losses: torch.Tensor | None | bool = False  # the loss sum then (False: no agreement yet)
         self._agreed_versions = -1  # and the weights' in-place versions
         self._stopping = False
+        self._signalled: tuple[int, int] | None = None  # a signal found at an epoch's end, and that epoch
         self._test_batches = 0
 
     # ------------------------------------------------------------ per step: one addition on the device
@@ -107,10 +108,13 @@ class RunChecks(L.Callback):
 
     # ------------------------------------------------------------ where the ranks agree
 
-    def _agree(self, trainer: L.Trainer, pl_module: L.LightningModule, signals: bool) -> None:
+    def _agree(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, signals: bool, at_epoch_end: bool = False
+    ) -> None:
         """One collective of four numbers and one host sync (in one process, the sync alone): diverged anywhere (a
         loss, a weight)? a signal anywhere? (and the last loss, for the report). Then act. `signals=False` (inside a
-        save): divergence only."""
+        save): divergence only. `at_epoch_end`: a signal stops the run at the end of fit, after the epoch's
+        checkpoints, which Lightning saves after every other callback's epoch-end hook."""
         if self._stopping:
             return
         device = trainer.strategy.root_device
@@ -131,15 +135,21 @@ class RunChecks(L.Callback):
             bad_loss, bad_weights, signum_found = not math.isfinite(loss_sum), not math.isfinite(weight_sum), signum
         if bad_loss or bad_weights:
             self._stopping = True
+            if math.isfinite(last_loss):  # the step's own loss, when only what it did to the weights is not finite
+                self._last_finite = last_loss
             raise self._diverged(trainer, "loss" if bad_loss else "weights")
         self._agreed_at, self._last_finite = trainer.global_step, last_loss  # the largest over the ranks
         self._agreed_losses, self._agreed_versions = self._losses, _versions(pl_module)
-        if signum_found:
+        if signum_found and at_epoch_end:
+            # every rank found it: the fit ends after this epoch (unless its min_epochs are not done yet: then the
+            # next agreement, within every_n_steps steps, stops it)
+            self._signalled, trainer.should_stop = (int(signum_found), trainer.current_epoch), True
+        elif signum_found:
             self._stopping = True
             self._stop(trainer, int(signum_found))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._agree(trainer, pl_module, signals=True)  # before the epoch's checkpoints
+        self._agree(trainer, pl_module, signals=True, at_epoch_end=True)  # before the epoch's checkpoints
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
@@ -158,13 +168,16 @@ class RunChecks(L.Callback):
         )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._signalled is not None:  # at an epoch's end, whose checkpoints are saved now
+            (signum, epoch), self._stopping = self._signalled, True
+            self._stop(trainer, signum, epoch)
         self._agree(trainer, pl_module, signals=True)
 
     # ------------------------------------------------------------ what happens then
 
     def _diverged(self, trainer: L.Trainer, what: str) -> DivergedError:
         last = "none yet" if self._last_finite is None else f"{self._last_finite:.4g}"
-        checkpoints = sorted(Path(trainer.default_root_dir).glob("checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
+        checkpoints = sorted(_checkpoint_files(trainer), key=lambda p: p.stat().st_mtime)
         kept = f"the last good checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was saved yet"
         return DivergedError(
             f"diverged in epoch {trainer.current_epoch}, between steps {self._agreed_at} and {trainer.global_step}: "
@@ -234,18 +247,44 @@ class RunChecks(L.Callback):
         child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
         return 0 if child else 128 + signum
 
-    def _stop(self, trainer: L.Trainer, signum: int) -> None:
+    def _stop(self, trainer: L.Trainer, signum: int, epoch: int | None = None) -> None:
+        """Saves last.ckpt (unless the epoch's end just saved it: that state is the one to continue from), writes
+        the metrics so far, says where to continue, exits. `epoch`: the one that ended, when the fit did."""
         path = _last_checkpoint(trainer)
-        trainer.save_checkpoint(path)  # every rank: a sharded checkpoint needs all of them
+        if not _saved_at_this_step(trainer, path):
+            trainer.save_checkpoint(path)  # every rank: a sharded checkpoint needs all of them
         write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="interrupted")
         name = signal.Signals(signum).name
         if trainer.is_global_zero:
             print(
-                f"stopped by {name} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}; "
-                f"continue with ckpt_path={path}",
+                f"stopped by {name} at epoch {trainer.current_epoch if epoch is None else epoch}, step "
+                f"{trainer.global_step}: saved {path}; continue with ckpt_path={path}",
                 file=sys.stderr,
             )
         raise SystemExit(self._exit_code(trainer, signum))
+
+
+def _checkpoint_files(trainer: L.Trainer) -> list[Path]:
+    """The checkpoints the run's checkpoint callbacks wrote, wherever their `dirpath` is, and <run>/checkpoints'."""
+    folders = {Path(trainer.default_root_dir) / "checkpoints"}
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath and "://" not in str(dirpath):
+            folders.add(Path(dirpath))
+    return [path for folder in folders for path in folder.glob("*.ckpt")]  # files, or folders of shards (fsdp)
+
+
+def _saved_at_this_step(trainer: L.Trainer, path: str) -> bool:
+    """The LastCheckpoint callback saved `path` at this global step: at the end of the epoch a signal ended the fit
+    after (its step saves come before a step's agreement, and never at an epoch's last step)."""
+    from project.callbacks.checkpoint import LastCheckpoint
+
+    return any(
+        isinstance(callback, LastCheckpoint)
+        and callback._last_checkpoint_saved == path
+        and callback._last_global_step_saved == trainer.global_step
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+    )
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str:
