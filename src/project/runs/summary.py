@@ -9,6 +9,7 @@ row, never a crash of the summary.
 
 import csv
 import io
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ class Job:
 
     name: str
     overrides: dict[str, str]
-    status: str  # ok | failed | pruned | unfinished (killed, or still running)
+    status: str  # ok | failed | pruned | interrupted (by a signal: resumable) | unfinished (killed, or running)
     metric: float | None = None
     test: float | None = None
     epochs: int | None = None
@@ -83,9 +84,22 @@ def read_job(job_dir: Path, metric: str) -> Job:
         job.status, job.error = "failed", lines[0] if lines else "(empty error.txt)"
     elif (job_dir / PRUNED_FILE).is_file():
         job.status = "pruned"
+    elif "interrupted" in _statuses(job_dir):  # stopped by a signal, with its metrics so far
+        job.status = "interrupted"
     elif metrics:
         job.status = "ok"
     return job
+
+
+def _statuses(job_dir: Path) -> set[str]:
+    """How the job's fit and test ended, as their metrics files say (project.runs.results)."""
+    found = set()
+    for name in ("fit_metrics.json", "test_metrics.json"):
+        try:
+            found.add(str(json.loads((job_dir / name).read_text()).get("status")))
+        except (OSError, ValueError, AttributeError):  # absent, torn or not an object: nothing said
+            pass
+    return found
 
 
 def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
@@ -153,7 +167,7 @@ def to_csv(jobs: list[Job], metric: str) -> str:
 def to_markdown(jobs: list[Job], metric: str, sweep_dir: Path) -> str:
     header = [metric if c == "metric" else test_metric_for(metric) if c == "test" else c for c in COLUMNS]
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
-    counts = {s: sum(j.status == s for j in jobs) for s in ("ok", "pruned", "failed", "unfinished")}
+    counts = {s: sum(j.status == s for j in jobs) for s in ("ok", "pruned", "failed", "interrupted", "unfinished")}
     lines = [
         f"# Sweep {sweep_dir}",
         "",
@@ -204,8 +218,10 @@ def plot(jobs: list[Job], metric: str, path: Path) -> None:
         ax.set_xlabel(key)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    failed = sum(job.metric is None for job in jobs)
-    title = f"{metric} by swept parameter" + (f" ({failed} jobs without it: failed or unfinished)" if failed else "")
+    failed = sum(job.metric is None or job.status not in ("ok", "pruned") for job in jobs)
+    title = f"{metric} by swept parameter" + (
+        f" ({failed} jobs not shown: failed, interrupted or unfinished)" if failed else ""
+    )
     fig.suptitle(title, fontsize=10)
     if any(job.status == "pruned" and job.metric is not None for job in jobs):
         axes[0][0].legend(fontsize=8)
