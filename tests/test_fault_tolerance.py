@@ -5,6 +5,7 @@ leaves the previous checkpoint whole."""
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -151,13 +152,16 @@ def test_a_signal_saves_writes_the_metrics_and_exits_non_zero(tmp_path, sig, cod
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr[-2000:]
     (line,) = [line for line in stderr.splitlines() if line.strip()]
-    assert line.startswith(f"stopped by {sig.name} at epoch 0, step ") and "continue with ckpt_path=" in line
+    assert line.startswith(f"stopped by {sig.name} at epoch 0, step ")
     (run,) = run_dirs(tmp_path / "work" / "logs")
     assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
     ckpt = line.split("ckpt_path=")[1]
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] >= 1
+    # the command to continue holds the run's own overrides: a resume with other settings is refused
+    command = shlex.split(line.split("continue with: ")[1])
+    assert command == ["python", "train.py", *RUN, f"ckpt_path={ckpt}"], line
     if sig == signal.SIGTERM:  # the saved checkpoint continues (the same for every signal: one is enough)
-        assert train(tmp_path / "resumed", *RUN, f"ckpt_path={ckpt}").returncode == 0
+        assert train(tmp_path / "resumed", *command[2:]).returncode == 0
 
 
 def test_a_signal_between_training_steps_is_honoured(tmp_path):
@@ -183,6 +187,14 @@ def test_a_signal_between_training_steps_is_honoured(tmp_path):
     (run,) = run_dirs(tmp_path / "test" / "logs")
     assert json.loads((run / "fit_metrics.json").read_text())["status"] == "ok"
     assert json.loads((run / "test_metrics.json").read_text())["status"] == "interrupted"
+
+    # eval.py trained nothing: its test is what to run again
+    best = next((run / "checkpoints").glob("epoch_*.ckpt"))
+    evaluate = [sys.executable, str(REPO / "eval.py"), f"ckpt_path={best}", "+callbacks.probe._target_=probes.SignalAt"]
+    stopped = run_python(evaluate, tmp_path / "test", cli_env(SIGNAL_AT="test"))
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert line == "stopped by SIGTERM during test: test again with the same command"
 
 
 def test_a_signal_during_validation_stops_the_run_after_that_epochs_checkpoints(tmp_path):

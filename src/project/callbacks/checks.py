@@ -88,6 +88,7 @@ class RunChecks(L.Callback):
         self._agreed_versions = -1  # and the weights' in-place versions
         self._stopping = False
         self._signalled: tuple[int, int] | None = None  # a signal found at an epoch's end, and that epoch
+        self._trained = False
         self._test_batches = 0
 
     # ------------------------------------------------------------ per step: one addition on the device
@@ -205,6 +206,7 @@ class RunChecks(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
+        self._trained = True  # a test after it follows a fit (train.py), not only a checkpoint (eval.py)
         # Lightning's epoch loop broadcasts rank 0's SIGTERM flag every step (a collective and a host sync per
         # step); SIGTERM is ours now, agreed every every_n_steps, so its flag is never set: the broadcast goes.
         trainer.fit_loop.epoch_loop.__dict__["_broadcast_sigterm_tensor"] = lambda: None
@@ -236,9 +238,12 @@ class RunChecks(L.Callback):
             write_metrics(trainer, Path(trainer.default_root_dir) / "test_metrics.json", status="interrupted")
             name = signal.Signals(int(signum)).name
             if trainer.is_global_zero:
-                print(
-                    f"stopped by {name} during test: training had finished; test it again with eval.py", file=sys.stderr
+                again = (
+                    "training had finished; test it again with eval.py"
+                    if self._trained
+                    else "test again with the same command"
                 )
+                print(f"stopped by {name} during test: {again}", file=sys.stderr)
             raise SystemExit(self._exit_code(trainer, int(signum)))
 
     def _exit_code(self, trainer: L.Trainer, signum: int) -> int:
@@ -258,10 +263,29 @@ class RunChecks(L.Callback):
         if trainer.is_global_zero:
             print(
                 f"stopped by {name} at epoch {trainer.current_epoch if epoch is None else epoch}, step "
-                f"{trainer.global_step}: saved {path}; continue with ckpt_path={path}",
+                f"{trainer.global_step}: saved {path}; continue with: {_continue_command(path)}",
                 file=sys.stderr,
             )
         raise SystemExit(self._exit_code(trainer, signum))
+
+
+def _continue_command(path: str) -> str:
+    """`python train.py <this run's overrides> ckpt_path=<path>`: a resume with other settings than the run's (another
+    model, another schedule) is refused, so the overrides come along. The profile that $PROJECT_PROFILE adds is left
+    to the variable; outside a Hydra run, the checkpoint alone."""
+    import os
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from project.entry import PROFILE
+
+    resume = f"ckpt_path={path}"
+    if not HydraConfig.initialized():
+        return resume
+    added = f"profile={os.environ.get(PROFILE)}"
+    overrides = [o for o in HydraConfig.get().overrides.task if o != added and not o.startswith("ckpt_path=")]
+    return shlex.join(["python", "train.py", *overrides, resume])
 
 
 def _checkpoint_files(trainer: L.Trainer) -> list[Path]:
