@@ -66,3 +66,23 @@ def test_a_checkpoint_folder_shared_with_another_run_is_refused_before_it_is_ove
         check_output_dirs(tmp_path / "run", callbacks, restarted=False)
     assert str(e.value).endswith(f"continue that run with ckpt_path={shared / 'last.ckpt'}")
     check_output_dirs(tmp_path / "run", callbacks, restarted=True)
+
+
+def test_a_shorter_schedule_is_refused_with_what_it_would_do_and_never_stretched_to_nothing(make_cfg):
+    """A run of T_max=20 resumed with trainer.max_epochs=2: the message said the schedule "would end at epoch 20
+    and go up again" (what more epochs do); fewer epochs stop it before its end. Stretched to an end the checkpoint
+    is already past, the run trained nothing and exited 0, testing the old best file."""
+    from project.runs.resume import schedule_length
+
+    ckpt = {"epoch": 2, "lr_schedulers": [{"T_max": 20}]}
+    more, fewer = make_cfg("model=mlp", "trainer.max_epochs=30").model, make_cfg("model=mlp", "trainer.max_epochs=4")
+    with pytest.raises(UserError, match="would end at epoch 20 and go up again after it"):
+        schedule_length("last.ckpt", ckpt, more, stretch=False)
+    with pytest.raises(
+        UserError, match="the run would stop at epoch 4, before the restored schedule.s end at epoch 20"
+    ):
+        schedule_length("last.ckpt", ckpt, fewer.model, stretch=False)
+    assert schedule_length("last.ckpt", ckpt, fewer.model, stretch=True) == 4  # epochs 2 and 3 still to train
+    done = make_cfg("model=mlp", "trainer.max_epochs=2").model
+    with pytest.raises(UserError, match="saved in epoch 2: trainer.max_epochs=2 leaves nothing to train"):
+        schedule_length("last.ckpt", ckpt, done, stretch=True)

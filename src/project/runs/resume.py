@@ -117,16 +117,26 @@ def schedule_length(path: str, ckpt: dict, model_cfg: Any, stretch: bool) -> int
     wanted = OmegaConf.select(model_cfg, "scheduler.T_max")
     if not stored or stored[0] is None or wanted is None or stored[0] == wanted:
         return None
+    epoch = int(ckpt.get("epoch") or 0)  # the epoch it was saved in
+    if stretch and wanted <= epoch:  # Lightning would train nothing and test the old best file
+        raise UserError(
+            f"ckpt_path={path} was saved in epoch {epoch}: trainer.max_epochs={wanted} leaves nothing to train. "
+            f"Ask for more than {epoch} epochs, or test it with eval.py ckpt_path={path}"
+        )
     if stretch:
         log.info(
             "Stretching the restored schedule from T_max=%s to T_max=%s (stretch_schedule=true)", stored[0], wanted
         )
         return int(wanted)
+    what = (
+        f"the restored schedule would end at epoch {stored[0]} and go up again after it"
+        if wanted > stored[0]
+        else f"the run would stop at epoch {wanted}, before the restored schedule's end at epoch {stored[0]}"
+    )
     raise UserError(
         f"ckpt_path={path} follows a schedule of T_max={stored[0]} epochs and this run asks for {wanted} "
-        f"(trainer.max_epochs): the restored schedule would end at epoch {stored[0]} and go up again after it. "
-        f"Keep trainer.max_epochs={stored[0]} to finish the planned run, add stretch_schedule=true to spread the "
-        "rest of the decay over the new length, or start a new run"
+        f"(trainer.max_epochs): {what}. Keep trainer.max_epochs={stored[0]} to finish the planned run, add "
+        "stretch_schedule=true to spread the rest of the decay over the new length, or start a new run"
     )
 
 
