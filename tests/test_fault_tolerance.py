@@ -197,10 +197,14 @@ def test_a_signal_between_training_steps_is_honoured(tmp_path):
     assert line == "stopped by SIGTERM during test: test again with the same command"
 
 
-def test_a_signal_during_validation_stops_the_run_after_that_epochs_checkpoints(tmp_path):
+@pytest.mark.parametrize("last_checkpoint", [True, False])
+def test_a_signal_during_validation_stops_the_run_after_that_epochs_checkpoints(tmp_path, last_checkpoint):
     """The epoch's best file is saved before the run stops (the stop came before the checkpoint callbacks, and the
-    epoch's best file was lost), and last.ckpt, the one the run continues from, knows it as its best."""
-    run_args = [*RUN[:-1], "+callbacks.probe._target_=probes.SignalAt"]
+    epoch's best file was lost), and last.ckpt, the one the run continues from, knows it as its best. Without the
+    last.ckpt callback the stop saves it itself, at the epoch's end."""
+    run_args = [*RUN[:-2], "+callbacks.probe._target_=probes.SignalAt"]
+    if not last_checkpoint:
+        run_args.append("~callbacks.last_checkpoint")
     stopped = train(tmp_path / "val", *run_args, env={"SIGNAL_AT": "first_validation"}, check=False)
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
@@ -210,7 +214,7 @@ def test_a_signal_during_validation_stops_the_run_after_that_epochs_checkpoints(
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8 and last["epoch"] == 0
     (best,) = [state for key, state in last["callbacks"].items() if key.startswith("ModelCheckpoint{'monitor': 'val/")]
-    assert Path(best["best_model_path"]).name == "epoch_000.ckpt"
+    assert Path(best["best_model_path"]).name == ("epoch_000.ckpt" if last_checkpoint else "")  # saved before it
     assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
 
 
@@ -321,3 +325,40 @@ def test_resuming_with_more_epochs_is_refused_or_stretches_the_schedule(tmp_path
     # the cosine of 4 epochs from 0.002, at epochs 2 and 3 (the old 2-epoch schedule had reached 0)
     for epoch in (2, 3):
         assert lrs[epoch] == pytest.approx(0.002 * (1 + math.cos(math.pi * epoch / 4)) / 2, rel=1e-6)
+
+
+def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_resume_refuses(monkeypatch):
+    """A plain run's stop line gives `python train.py <its overrides> ckpt_path=...`, without its output folders (a
+    resume writes into a new run dir, and refuses a folder holding the run's checkpoints), an earlier ckpt_path and
+    the profile $PROJECT_PROFILE adds. A sweep's job, a tuned run and a run torchrun or SLURM started get the
+    checkpoint to add to their own command."""
+    from types import SimpleNamespace
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from project.callbacks.checks import _continue_command
+
+    def command(*overrides: str, mode: RunMode = RunMode.RUN, **env: str) -> str:
+        hydra = SimpleNamespace(mode=mode, overrides=SimpleNamespace(task=list(overrides)))
+        monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+        monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra))
+        for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PROJECT_PROFILE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return _continue_command("/runs/a b/last.ckpt")
+
+    run = ["model=mlp", "logger=[tensorboard,mlflow]", "paths.output_dir=/out", "callbacks.last_checkpoint.dirpath=/ck"]
+    said = command(
+        *run, "ckpt_path=/old.ckpt", "profile=tiny", "+trainer.limit_train_batches=8", PROJECT_PROFILE="tiny"
+    )
+    assert shlex.split(said) == [
+        "python", "train.py", "model=mlp", "logger=[tensorboard,mlflow]", "+trainer.limit_train_batches=8",
+        "ckpt_path=/runs/a b/last.ckpt",
+    ]  # fmt: skip
+    assert "profile=tiny" in command("model=mlp", "profile=tiny")  # chosen on the command line: kept
+    added = "ckpt_path=/runs/a b/last.ckpt added to the run's command"
+    assert command("model=mlp", mode=RunMode.MULTIRUN) == added
+    assert command("model=mlp", "tune=lr", "tune.apply=true") == added
+    assert command("model=mlp", SLURM_JOB_ID="7") == command("model=mlp", TORCHELASTIC_RUN_ID="x") == added

@@ -74,15 +74,20 @@ def test_a_shorter_schedule_is_refused_with_what_it_would_do_and_never_stretched
     is already past, the run trained nothing and exited 0, testing the old best file."""
     from project.runs.resume import schedule_length
 
-    ckpt = {"epoch": 2, "lr_schedulers": [{"T_max": 20}]}
-    more, fewer = make_cfg("model=mlp", "trainer.max_epochs=30").model, make_cfg("model=mlp", "trainer.max_epochs=4")
+    def saved(epoch: int, at_its_end: bool) -> dict:
+        progress = {"current": {"processed": epoch + at_its_end, "completed": epoch}}
+        return {"epoch": epoch, "lr_schedulers": [{"T_max": 20}], "loops": {"fit_loop": {"epoch_progress": progress}}}
+
+    mid, end = saved(2, at_its_end=False), saved(2, at_its_end=True)  # within epoch 2, at its end
+    epochs = {n: make_cfg("model=mlp", f"trainer.max_epochs={n}").model for n in (2, 3, 4, 30)}
     with pytest.raises(UserError, match="would end at epoch 20 and go up again after it"):
-        schedule_length("last.ckpt", ckpt, more, stretch=False)
+        schedule_length("last.ckpt", mid, epochs[30], stretch=False)
     with pytest.raises(
         UserError, match="the run would stop at epoch 4, before the restored schedule.s end at epoch 20"
     ):
-        schedule_length("last.ckpt", ckpt, fewer.model, stretch=False)
-    assert schedule_length("last.ckpt", ckpt, fewer.model, stretch=True) == 4  # epochs 2 and 3 still to train
-    done = make_cfg("model=mlp", "trainer.max_epochs=2").model
-    with pytest.raises(UserError, match="saved in epoch 2: trainer.max_epochs=2 leaves nothing to train"):
-        schedule_length("last.ckpt", ckpt, done, stretch=True)
+        schedule_length("last.ckpt", mid, epochs[4], stretch=False)
+    assert schedule_length("last.ckpt", mid, epochs[3], stretch=True) == 3  # the rest of epoch 2 still to train
+    assert schedule_length("last.ckpt", end, epochs[4], stretch=True) == 4  # epoch 3 still to train
+    for ckpt, n in ((mid, 2), (end, 3)):
+        with pytest.raises(UserError, match=f"saved after {n} epochs: trainer.max_epochs={n} leaves nothing"):
+            schedule_length("last.ckpt", ckpt, epochs[n], stretch=True)

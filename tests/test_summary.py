@@ -50,14 +50,18 @@ def test_the_command_refuses_a_directory_that_is_no_sweep(tmp_path: Path):
 
 def test_a_job_a_signal_stopped_is_interrupted_not_ok(tmp_path: Path):
     """A job that a signal stopped wrote its metrics so far with `"status": "interrupted"` (resumable from its
-    last.ckpt); its row said `ok`. A job that finished, and one killed before writing anything, for comparison."""
+    last.ckpt); its row said `ok`, and sorted among the finished jobs by its partial metric. A job that finished,
+    and one killed before writing anything, for comparison."""
     from project.runs.summary import read_sweep
 
-    for name, fit in {"0": {"status": "ok", "val/acc": 0.9}, "1": {"status": "interrupted", "val/acc": 0.5}}.items():
+    for name, fit in {
+        "0": {"status": "ok", "best/val/acc": 0.9},
+        "1": {"status": "interrupted", "best/val/acc": 0.95},
+    }.items():
         (tmp_path / name / ".hydra").mkdir(parents=True)
         (tmp_path / name / "fit_metrics.json").write_text(json.dumps(fit))
     (tmp_path / "2" / ".hydra").mkdir(parents=True)
-    jobs, metric = read_sweep(tmp_path)
-    assert {job.name: job.status for job in jobs} == {"0": "ok", "1": "interrupted", "2": "unfinished"}
+    jobs, _ = read_sweep(tmp_path)
+    assert [(job.name, job.status) for job in jobs] == [("0", "ok"), ("1", "interrupted"), ("2", "unfinished")]
     proc = run_python([sys.executable, "-m", "project.runs.summary", str(tmp_path)], tmp_path, cli_env())
     assert "3 jobs: 1 ok, 1 interrupted, 1 unfinished" in proc.stdout, proc.stdout + proc.stderr

@@ -142,8 +142,11 @@ class RunChecks(L.Callback):
         self._agreed_at, self._last_finite = trainer.global_step, last_loss  # the largest over the ranks
         self._agreed_losses, self._agreed_versions = self._losses, _versions(pl_module)
         if signum_found and at_epoch_end:
-            # every rank found it: the fit ends after this epoch (unless its min_epochs are not done yet: then the
-            # next agreement, within every_n_steps steps, stops it)
+            # Every rank found it. last.ckpt is saved now, as at any stop: this is where a stop saved before, and the
+            # epoch's own saves may not come (no validation this epoch) or come after weight averaging has put the
+            # average into the model (at the end of fit). The epoch's checkpoints follow, then the fit ends (unless
+            # its min_epochs are not done: then the next agreement, within every_n_steps steps, stops it).
+            self._save_last(trainer)
             self._signalled, trainer.should_stop = (int(signum_found), trainer.current_epoch), True
         elif signum_found:
             self._stopping = True
@@ -171,7 +174,7 @@ class RunChecks(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._signalled is not None:  # at an epoch's end, whose checkpoints are saved now
             (signum, epoch), self._stopping = self._signalled, True
-            self._stop(trainer, signum, epoch)
+            self._stop(trainer, signum, epoch, saved=True)
         self._agree(trainer, pl_module, signals=True)
 
     # ------------------------------------------------------------ what happens then
@@ -252,12 +255,16 @@ class RunChecks(L.Callback):
         child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
         return 0 if child else 128 + signum
 
-    def _stop(self, trainer: L.Trainer, signum: int, epoch: int | None = None) -> None:
-        """Saves last.ckpt (unless the epoch's end just saved it: that state is the one to continue from), writes
-        the metrics so far, says where to continue, exits. `epoch`: the one that ended, when the fit did."""
+    def _save_last(self, trainer: L.Trainer) -> None:
+        trainer.save_checkpoint(_last_checkpoint(trainer))  # every rank: a sharded checkpoint needs all of them
+
+    def _stop(self, trainer: L.Trainer, signum: int, epoch: int | None = None, saved: bool = False) -> None:
+        """Saves last.ckpt (`saved`: it was, at the epoch's end), waits until every checkpoint is written, writes the
+        metrics so far, says where to continue, exits. `epoch`: the one that ended, when the fit did."""
         path = _last_checkpoint(trainer)
-        if not _saved_at_this_step(trainer, path):
-            trainer.save_checkpoint(path)  # every rank: a sharded checkpoint needs all of them
+        if not saved:
+            self._save_last(trainer)
+        _wait_for_writes(trainer)  # the epoch's own saves are written in the background: "saved" means written
         write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="interrupted")
         name = signal.Signals(signum).name
         if trainer.is_global_zero:
@@ -270,22 +277,32 @@ class RunChecks(L.Callback):
 
 
 def _continue_command(path: str) -> str:
-    """`python train.py <this run's overrides> ckpt_path=<path>`: a resume with other settings than the run's (another
-    model, another schedule) is refused, so the overrides come along. The profile that $PROJECT_PROFILE adds is left
-    to the variable; outside a Hydra run, the checkpoint alone."""
+    """For a plain `python train.py` run: that command with the run's own overrides and `ckpt_path=<path>` (a
+    resume with other settings, another model or schedule, is refused, so the overrides come along), less those a
+    resume refuses or does itself: its output folders (it writes into a new run dir) and the profile that
+    $PROJECT_PROFILE adds. For a sweep's job, a tuned run (its tuned value is in the checkpoint, not in an override),
+    or a run torchrun or SLURM started: `ckpt_path=<path>` to add to the command that started it."""
     import os
+    import re
     import shlex
 
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from project.entry import PROFILE
 
     resume = f"ckpt_path={path}"
-    if not HydraConfig.initialized():
-        return resume
-    added = f"profile={os.environ.get(PROFILE)}"
-    overrides = [o for o in HydraConfig.get().overrides.task if o != added and not o.startswith("ckpt_path=")]
-    return shlex.join(["python", "train.py", *overrides, resume])
+    started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or started_by:
+        return f"{resume} added to the run's command"
+    overrides = list(HydraConfig.get().overrides.task)
+    key = lambda override: override.lstrip("+~").split("=", 1)[0]  # noqa: E731
+    if any(key(o) == "tune" or key(o).startswith("tune.") for o in overrides):
+        return f"{resume} added to the run's command"
+    left_out = re.compile(r"ckpt_path|paths\.output_dir|callbacks\.[^.]+\.dirpath|logger\.[^.]+\.save_dir")
+    profile = f"profile={os.environ.get(PROFILE)}"
+    kept = [o for o in overrides if o != profile and not left_out.fullmatch(key(o))]
+    return shlex.join(["python", "train.py", *kept, resume])
 
 
 def _checkpoint_files(trainer: L.Trainer) -> list[Path]:
@@ -298,17 +315,10 @@ def _checkpoint_files(trainer: L.Trainer) -> list[Path]:
     return [path for folder in folders for path in folder.glob("*.ckpt")]  # files, or folders of shards (fsdp)
 
 
-def _saved_at_this_step(trainer: L.Trainer, path: str) -> bool:
-    """The LastCheckpoint callback saved `path` at this global step: at the end of the epoch a signal ended the fit
-    after (its step saves come before a step's agreement, and never at an epoch's last step)."""
-    from project.callbacks.checkpoint import LastCheckpoint
-
-    return any(
-        isinstance(callback, LastCheckpoint)
-        and callback._last_checkpoint_saved == path
-        and callback._last_global_step_saved == trainer.global_step
-        for callback in trainer.callbacks  # type: ignore[attr-defined]
-    )
+def _wait_for_writes(trainer: L.Trainer) -> None:
+    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)  # project.runs.atomic_io; a failed write raises
+    if wait is not None:
+        wait()
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str:

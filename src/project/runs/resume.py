@@ -107,6 +107,15 @@ def best_to_test(best: str, ckpt_path: str | None) -> str:
     )
 
 
+def epochs_trained(ckpt: dict) -> int:
+    """Epochs a checkpoint has trained whole: the one it was saved in counts when it was saved at the epoch's end
+    (Lightning's epoch progress has it processed, and a resume starts the next), not when saved within it."""
+    try:
+        return int(ckpt["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return int(ckpt.get("epoch") or 0)
+
+
 def schedule_length(path: str, ckpt: dict, model_cfg: Any, stretch: bool) -> int | None:
     """The new length to stretch a restored schedule to, or None to restore it as saved. A cosine schedule
     keeps the T_max it was started with: resuming with more epochs would train them past its end, so without
@@ -117,11 +126,11 @@ def schedule_length(path: str, ckpt: dict, model_cfg: Any, stretch: bool) -> int
     wanted = OmegaConf.select(model_cfg, "scheduler.T_max")
     if not stored or stored[0] is None or wanted is None or stored[0] == wanted:
         return None
-    epoch = int(ckpt.get("epoch") or 0)  # the epoch it was saved in
-    if stretch and wanted <= epoch:  # Lightning would train nothing and test the old best file
+    begun = epochs_trained(ckpt)
+    if stretch and wanted <= begun:  # Lightning would train nothing and test the old best file
         raise UserError(
-            f"ckpt_path={path} was saved in epoch {epoch}: trainer.max_epochs={wanted} leaves nothing to train. "
-            f"Ask for more than {epoch} epochs, or test it with eval.py ckpt_path={path}"
+            f"ckpt_path={path} was saved after {begun} epochs: trainer.max_epochs={wanted} leaves nothing to train. "
+            f"Ask for more than {begun}, or test it with eval.py ckpt_path={path}"
         )
     if stretch:
         log.info(

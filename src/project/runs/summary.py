@@ -49,14 +49,17 @@ def _overrides(job_dir: Path) -> dict[str, str]:
 
 
 def _epochs(job_dir: Path) -> int | None:
-    """Epochs trained: last.ckpt is rewritten after every epoch and holds the epoch it was written in."""
+    """Epochs trained whole, as last.ckpt says (rewritten after every epoch; an interrupted job's may be from within
+    one)."""
     last = job_dir / "checkpoints" / "last.ckpt"
     if not last.is_file():
         return None
     try:
         import torch
 
-        return int(torch.load(last, map_location="cpu", weights_only=True, mmap=True)["epoch"]) + 1
+        from project.runs.resume import epochs_trained
+
+        return epochs_trained(torch.load(last, map_location="cpu", weights_only=True, mmap=True))
     except Exception:  # a torn or foreign file: the row says "?" rather than the summary failing
         return None
 
@@ -117,12 +120,13 @@ def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
 
 
 def read_sweep(sweep_dir: Path) -> tuple[list[Job], str]:
-    """Every job of the sweep, best first; jobs without the metric (failed, unfinished) last."""
+    """Every job of the sweep, best first; then the jobs whose metric is partial (interrupted), then those without
+    one (failed, unfinished)."""
     metric, higher_better = _sweep_settings(sweep_dir)
     dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
     jobs = [read_job(p, metric) for p in sorted(dirs, key=lambda p: (len(p.name), p.name))]
     sign = -1 if higher_better else 1
-    jobs.sort(key=lambda j: (j.metric is None, sign * j.metric if j.metric is not None else 0.0))
+    jobs.sort(key=lambda j: (j.metric is None, j.status == "interrupted", sign * (j.metric or 0.0)))
     return jobs, metric
 
 
