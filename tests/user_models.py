@@ -15,6 +15,14 @@ LIT_AUTOENCODER = (
     "monitor.metric=train_loss",
     "monitor.mode=min",
 )
+# ... 3 short epochs of it on the CPU, without a test
+LIT_AUTOENCODER_3_EPOCHS = (
+    *LIT_AUTOENCODER,
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=3",
+    "+trainer.limit_train_batches=4",
+    "test=false",
+)
 
 
 class TutorialCNN(nn.Module):
