@@ -73,16 +73,16 @@ class WrittenInBackground(ModelCheckpoint):
         return candidates
 
     def file_exists(self, filepath: Any, trainer: L.Trainer) -> bool:
-        _wait(trainer)  # a file still being written exists: the version counter must not reuse its name
+        wait_for_writes(trainer)  # a file still being written exists: the version counter must not reuse its name
         return super().file_exists(filepath, trainer)
 
     @staticmethod
     def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
-        _wait(trainer)  # `save_last: link`: never a link to a file not yet written
+        wait_for_writes(trainer)  # `save_last: link`: never a link to a file not yet written
         ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        _wait(trainer)  # before the loggers finish (an MLflow run logs the best file) and whatever reads them next
+        wait_for_writes(trainer)  # before the loggers finish (MLflow logs the best file) and what reads them next
 
 
 class BestCheckpoint(WrittenInBackground):
@@ -183,7 +183,8 @@ class LastCheckpoint(WrittenInBackground):
         self._save_checkpoint(trainer, str(self.path))
 
 
-def _wait(trainer: L.Trainer) -> None:
+def wait_for_writes(trainer: L.Trainer) -> None:
+    """Until every save handed to the writer thread is written (project.runs.atomic_io); a failed write raises."""
     wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
     if wait is not None:
         wait()

@@ -264,7 +264,9 @@ class RunChecks(L.Callback):
         path = _last_checkpoint(trainer)
         if not saved:
             self._save_last(trainer)
-        _wait_for_writes(trainer)  # the epoch's own saves are written in the background: "saved" means written
+        from project.callbacks.checkpoint import wait_for_writes
+
+        wait_for_writes(trainer)  # the epoch's own saves are written in the background: "saved" means written
         write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="interrupted")
         name = signal.Signals(signum).name
         if trainer.is_global_zero:
@@ -313,12 +315,6 @@ def _checkpoint_files(trainer: L.Trainer) -> list[Path]:
         if dirpath and "://" not in str(dirpath):
             folders.add(Path(dirpath))
     return [path for folder in folders for path in folder.glob("*.ckpt")]  # files, or folders of shards (fsdp)
-
-
-def _wait_for_writes(trainer: L.Trainer) -> None:
-    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)  # project.runs.atomic_io; a failed write raises
-    if wait is not None:
-        wait()
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str:
