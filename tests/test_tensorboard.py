@@ -2,6 +2,7 @@
 the template's logger writes for it (events, checksums). The figures and the graph: test_tensorboard_figures.py."""
 
 import json
+import pickle
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, cli_env, run_dirs, run_python
@@ -242,3 +244,56 @@ def test_a_log_call_is_one_event_and_tensorboard_reads_what_lightnings_logger_wr
     assert read["template"][".:fit-val/loss"] == [(7, 0.25), (8, 0.125)]
     assert read["template"]["fit-lr_a:fit-lr"] == [(8, 0.1)] and read["template"]["fit-lr_b:fit-lr"] == [(8, 0.2)]
     assert events == {"lightning": [1, 1, 1, 1, 1, 1, 1], "template": [4, 1, 1]}
+
+
+def test_logged_scalars_reach_the_writer_thread_in_batches_at_checkpoints_every_flush_secs_and_at_the_end(
+    tmp_path, monkeypatch
+):
+    """Each event handed to TensorBoard's writer thread wakes it, and on a small net's steps that cost about 2 ms
+    an epoch (benchmarks/step_loop.py); the logger holds a call's event and hands them over in one go: after each
+    checkpoint, at the first call `flush_secs` after the oldest one held, and at the end. Steps and wall times are
+    the logged ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriter
+
+    from project.loggers import tensorboard
+
+    handed: list[bytes] = []
+    write = _AsyncWriter.write
+    monkeypatch.setattr(_AsyncWriter, "write", lambda self, data: (handed.append(data), write(self, data))[1])
+    clock = [1000.0]
+    monkeypatch.setattr(tensorboard, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time), raising=False)
+    logger = tensorboard.TensorBoardLogger(str(tmp_path), version="", flush_secs=30)
+    logger.experiment  # the file's first event (its version) is written when the writer is made
+    opened = len(handed)
+
+    def scalars() -> list[tuple[int, str, float, float]]:
+        read = EventAccumulator(logger.log_dir).Reload()
+        found = [
+            (e.step, tag, round(e.value, 3), e.wall_time) for tag in read.Tags()["scalars"] for e in read.Scalars(tag)
+        ]
+        return sorted(found, key=lambda s: s[0])
+
+    before = time.time()
+    for step in range(3):
+        logger.log_metrics({"train/loss_step": 1.0 + step}, step)
+        clock[0] += 10
+    assert len(handed) == opened  # 20 s after the oldest: still held
+    logger.after_save_checkpoint(None)
+    assert len(handed) == opened + 3
+    assert [s[:3] for s in scalars()] == [(step, "train/loss_step", 1.0 + step) for step in range(3)]
+    assert all(before <= s[3] <= time.time() for s in scalars())
+
+    logger.log_metrics({"val/acc": 0.5}, 3)
+    clock[0] += 29
+    logger.log_metrics({"val/acc": 0.6}, 4)
+    assert len(handed) == opened + 3
+    clock[0] += 1  # 30 s after the oldest held
+    logger.log_metrics({"val/acc": 0.7}, 5)
+    assert len(handed) == opened + 6
+
+    logger.log_metrics({"val/acc": 0.8}, 6)
+    held = pickle.loads(pickle.dumps(logger))  # ddp_spawn's copy: none of the held events travel with it
+    held.finalize("success")
+    logger.finalize("success")
+    assert [s[:3] for s in scalars()][3:] == [(s, "val/acc", a) for s, a in ((3, 0.5), (4, 0.6), (5, 0.7), (6, 0.8))]

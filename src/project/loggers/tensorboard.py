@@ -8,6 +8,7 @@ line overrode; its metrics are declared by name, and TensorBoard reads their val
 """
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -122,6 +123,14 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self.hparam_keys, self.metric_names = list(hparams), list(metrics)
         self._summary_written = False
         self._hparams_file_written = False
+        self._flush_secs = float(kwargs.get("flush_secs", 120))  # SummaryWriter's default
+        self._held: list[tuple[Any, int | None, float]] = []  # log_metrics' events not yet handed over
+        self._held_since: float | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_held"], state["_held_since"] = [], None  # they stay with this process's logger, which writes them
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -174,18 +183,36 @@ class TensorBoardLogger(LightningTensorBoardLogger):
                     f"\n you tried to log {value} which is currently not supported. Try a dict or a scalar/tensor."
                 ) from e
         if summary.value:
-            self.experiment._get_file_writer().add_summary(summary, step)
+            self._hold(summary, step)
         for key, values in groups.items():
             self.experiment.add_scalars(key, values, step)
+
+    def _hold(self, summary: Any, step: int | None) -> None:
+        """A call's event, kept until the first call `flush_secs` after the oldest one kept (or a checkpoint, or
+        the end): each event handed to TensorBoard's writer thread wakes it, and the training thread then waits
+        for the GIL while it writes (about 2 ms an epoch on the MLP of benchmarks/step_loop.py, for 8 calls)."""
+        now = time.monotonic()
+        self._held.append((summary, step, time.time()))
+        if self._held_since is None:
+            self._held_since = now
+        elif now - self._held_since >= self._flush_secs:
+            self._write_held()
+
+    def _write_held(self) -> None:
+        held, self._held, self._held_since = self._held, [], None
+        if held:
+            writer = self.experiment._get_file_writer()
+            for summary, step, wall_time in held:
+                writer.add_summary(summary, step, wall_time)
 
     @rank_zero_only
     def save(self) -> None:
         """Lightning calls this after every `log_metrics` (every `log_every_n_steps` and at each epoch's end): it
         waited for the event writer's queue to drain and looked for hparams.yaml on disk each time, 5-8 ms an epoch
         on the MLP of benchmarks/step_loop.py. Here hparams.yaml is written once, as Lightning would (only when
-        missing). Events still reach a local file as the writer's thread takes them (each record is appended);
-        the queue is drained after every checkpoint, so a run killed after one has its scalars up to it, and
-        remote storage (`s3://`, buffered) gets them every `flush_secs`."""
+        missing). The scalars reach the writer's thread in batches (`_hold`): after every checkpoint, whose save
+        also drains its queue (a run killed after one has its scalars up to it), at the first call `flush_secs`
+        after the oldest one held, and at the end of each stage, also a failed one."""
         if not self._hparams_file_written:
             super().save()
             self._hparams_file_written = self._fs.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE))
@@ -193,5 +220,11 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         super().after_save_checkpoint(checkpoint_callback)
+        self._write_held()
         if self._experiment is not None:
             self._experiment.flush()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._write_held()  # before Lightning's flush and close, also when the run failed
+        super().finalize(status)
