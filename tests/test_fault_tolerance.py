@@ -210,6 +210,7 @@ def test_a_signal_during_validation_stops_the_run_after_that_epochs_checkpoints(
     (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
     assert line.startswith("stopped by SIGTERM at epoch 0, step 8:"), line
     (run,) = run_dirs(tmp_path / "val" / "logs")
+    assert (run / "train.log").read_text().splitlines()[-1].endswith(f"[ERROR] - {line}")  # how the run ended
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_000.ckpt", "last.ckpt"]
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8 and last["epoch"] == 0
@@ -239,6 +240,7 @@ def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     (run,) = run_dirs(tmp_path / "logs")
     assert len(lines) == 1 and "rank 1 (pid " in lines[0] and "killed by SIGKILL" in lines[0], proc.stderr[-2000:]
     assert lines[0].endswith(f"its log: {run}/train_ddp_process_1.log") and "Traceback" not in proc.stderr
+    assert f"[ERROR] - {lines[0]}" in (run / "train.log").read_text()
 
 
 def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tmp_path):
@@ -247,6 +249,7 @@ def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tm
     (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
     assert line.startswith("error: diverged in epoch 0, between steps ") and "trainer.gradient_clip_val" in line
     (run,) = run_dirs(tmp_path / "logs")
+    assert (run / "train.log").read_text().splitlines()[-1].endswith(f"[ERROR] - {line}")  # how the run ended
     fit = json.loads((run / "fit_metrics.json").read_text())  # strict JSON: no NaN literal
     assert fit["status"] == "diverged"
     for path in (run / "checkpoints").glob("*.ckpt"):
@@ -291,6 +294,7 @@ def test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert proc.returncode == 2
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert (sweep / "0" / "error.txt").read_text().startswith("diverged in epoch 0")
+    assert "[ERROR] - error: sweep job 0 (" in (sweep / "0" / "train.log").read_text()  # the job's own log says it
     assert json.loads((sweep / "1" / "fit_metrics.json").read_text())["status"] == "ok"
 
 

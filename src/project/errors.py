@@ -21,8 +21,21 @@ class UserError(Exception):
 def exit_with(error: UserError) -> NoReturn:
     """`error: <message>` on stderr and exit code 2: how every refused run ends. SystemExit, unlike an
     exception, also passes through code that turns exceptions into warnings (Hydra's callbacks)."""
-    print(f"error: {error}", file=sys.stderr)
+    say(f"error: {error}")
     raise SystemExit(2)
+
+
+def say(line: str) -> None:
+    """The line that ends or stops a run, on stderr and also in the run's log file (`<run dir>/<task>.log`, Hydra's
+    file handler) while that is still there: a run read later (nohup, a SLURM job, a sweep's job) says how it ended.
+    A run dir that a refused run leaves no trace of is not made again for it."""
+    import logging
+
+    print(line, file=sys.stderr, flush=True)  # a process may end with os._exit next: no buffer is left behind
+    record = logging.LogRecord("project", logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and os.path.exists(handler.baseFilename):
+            handler.handle(record)
 
 
 def user_error_in(error: BaseException) -> UserError | None:

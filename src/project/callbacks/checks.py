@@ -25,14 +25,13 @@ stage, over Lightning's.
 
 import math
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import torch
 
-from project.errors import UserError
+from project.errors import UserError, say
 from project.runs.results import write_metrics
 
 
@@ -246,7 +245,7 @@ class RunChecks(L.Callback):
                     if self._trained
                     else "test again with the same command"
                 )
-                print(f"stopped by {name} during test: {again}", file=sys.stderr)
+                say(f"stopped by {name} during test: {again}")
             raise SystemExit(self._exit_code(trainer, int(signum)))
 
     def _exit_code(self, trainer: L.Trainer, signum: int) -> int:
@@ -270,10 +269,9 @@ class RunChecks(L.Callback):
         write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="interrupted")
         name = signal.Signals(signum).name
         if trainer.is_global_zero:
-            print(
+            say(
                 f"stopped by {name} at epoch {trainer.current_epoch if epoch is None else epoch}, step "
-                f"{trainer.global_step}: saved {path}; continue with: {_continue_command(path)}",
-                file=sys.stderr,
+                f"{trainer.global_step}: saved {path}; continue with: {_continue_command(path)}"
             )
         raise SystemExit(self._exit_code(trainer, signum))
 

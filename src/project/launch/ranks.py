@@ -9,13 +9,14 @@ names only a peer address. Here rank 0 watches its children every half second; t
 
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from project.errors import say
 
 _reported = threading.Event()
 _dead: list[str] = []  # the line, once a child has died
@@ -36,7 +37,7 @@ def report_once(line: str) -> bool:
     if _reported.is_set():
         return False
     _reported.set()
-    print(f"error: {line}", file=sys.stderr, flush=True)
+    say(f"error: {line}")
     return True
 
 

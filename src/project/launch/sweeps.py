@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from project.errors import UserError
+from project.errors import UserError, say
 
 # The script the user started (train.py), recorded by entry.cli: sweep workers may run under another argv[0].
 ENTRY_SCRIPT = "PROJECT_ENTRY_SCRIPT"
@@ -113,7 +113,7 @@ def record_failure(job_dir: Path, line: str) -> None:
     """A failed sweep job: its one-line error on stderr, and with the traceback in <job>/error.txt, where
     SweepReport and the sweep summary find it whatever launcher ran the job."""
     hc = HydraConfig.get()
-    print(f"error: sweep job {hc.job.num} ({' '.join(hc.overrides.task)}): {line}", file=sys.stderr)
+    say(f"error: sweep job {hc.job.num} ({' '.join(hc.overrides.task)}): {line}")
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / ERROR_FILE).write_text(f"{line}\n\n{traceback.format_exc()}")
 
