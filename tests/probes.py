@@ -147,7 +147,8 @@ class KillAt(L.Callback):
     """$KILL_AT_STEP=<k> [$KILL_RANK=<r>, default 0]: that rank SIGKILLs itself as step k starts, as a
     scheduler's kill -9 or a lost node would, once the checkpoints saved before it are on disk (the writer thread
     finishes a save a few milliseconds after it was made), or at once with $KILL_WITHOUT_WAITING=1 (the newest
-    save may then be lost; the one before is whole). $STEP_SLEEP=<s> slows every step (time to send signals)."""
+    save may then be lost; the one before is whole). $KILL_SIGNAL=<name> sends another signal (SIGTERM: a
+    scheduler's stop). $STEP_SLEEP=<s> slows every step (time to send signals)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         if "PROBE_DIR" in os.environ:
@@ -163,7 +164,7 @@ class KillAt(L.Callback):
             if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
                 if not os.environ.get("KILL_WITHOUT_WAITING"):
                     trainer.strategy.checkpoint_io.wait()
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
 
 
 class KillDuringSave(L.Callback):
@@ -183,7 +184,7 @@ class KillDuringSave(L.Callback):
         def kill_when_writing() -> None:
             while True:
                 if any(folder.glob(".*.partial-*")) or any(folder.glob(".*.staging")):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
                 time.sleep(0.001)
 
         import threading

@@ -164,6 +164,28 @@ def test_a_run_killed_after_a_checkpoint_keeps_its_scalars_up_to_that_checkpoint
     assert (run / "tensorboard" / "hparams.yaml").is_file()
 
 
+def test_a_run_stopped_by_a_signal_before_any_checkpoint_keeps_the_scalars_it_logged(cli, tmp_path):
+    """The logger holds its events until a checkpoint, `flush_secs` or the end: a stop before the first checkpoint
+    still writes them (Lightning finalizes the loggers when a fit fails)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    stopped = cli(
+        "train.py",
+        "model=mlp",
+        "+trainer.limit_train_batches=8",
+        "trainer.log_every_n_steps=1",
+        "checks.every_n_steps=1",
+        "test=false",
+        "+callbacks.probe._target_=probes.KillAt",
+        env={"KILL_AT_STEP": "5", "KILL_SIGNAL": "SIGTERM"},  # mid epoch 0: nothing saved before the stop's own
+        check=False,
+    )
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "logs")
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert [e.step for e in scalars.Scalars("train/loss_step")] == [0, 1, 2, 3, 4]
+
+
 def test_event_checksums_are_tensorboards_own_and_its_reader_accepts_a_runs_records(logs):
     """The C checksum (project.loggers.tensorboard) gives TensorBoard's values; its reader checks every record of a
     run written with it (a wrong checksum is a DataLossError there)."""
