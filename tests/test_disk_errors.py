@@ -94,3 +94,45 @@ def test_a_disk_error_in_the_event_writer_thread_is_left_to_the_runs_one_line(tm
     other.start()
     other.join()
     assert [type(e) for e in printed] == [ZeroDivisionError]
+
+
+def test_the_line_that_ends_a_run_goes_to_its_log_file_only_while_it_runs_and_never_fails_there(tmp_path, capfd):
+    """errors.say: the line on stderr, and in the run's log file while the task runs (not the log of a sweep job
+    that ran before in the process); a log file on a full disk (what the line may be about) or one whose run dir a
+    refused run removed leaves the line on stderr alone, with no logging error printed after it."""
+    import contextlib
+    import logging
+    import shutil
+
+    from project.errors import run_log, say
+
+    root = logging.getLogger()
+    job = tmp_path / "job"
+    job.mkdir()
+    handlers = [logging.FileHandler(job / "train.log"), logging.FileHandler("/dev/full")]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    handlers.append(logging.FileHandler(gone / "train.log"))
+    shutil.rmtree(gone)
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("[%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(handler)
+    try:
+        say("error: before the task")
+        with run_log():
+            say("stopped by SIGTERM at epoch 0, step 5: saved last.ckpt")
+        say("error: 1 of 2 sweep jobs failed")
+    finally:
+        for handler in handlers:
+            root.removeHandler(handler)
+            with contextlib.suppress(OSError):  # /dev/full's buffer, flushed when it closes
+                handler.close()
+    assert (
+        job / "train.log"
+    ).read_text() == "[project][ERROR] - stopped by SIGTERM at epoch 0, step 5: saved last.ckpt\n"
+    assert not gone.exists()
+    assert capfd.readouterr().err.splitlines() == [
+        "error: before the task",
+        "stopped by SIGTERM at epoch 0, step 5: saved last.ckpt",
+        "error: 1 of 2 sweep jobs failed",
+    ]

@@ -274,7 +274,8 @@ def test_logged_scalars_reach_the_writer_thread_in_batches_at_checkpoints_every_
     """Each event handed to TensorBoard's writer thread wakes it, and on a small net's steps that cost about 2 ms
     an epoch (benchmarks/step_loop.py); the logger holds a call's event and hands them over in one go: after each
     checkpoint, at the first call `flush_secs` after the oldest one held, and at the end. Steps and wall times are
-    the logged ones."""
+    the logged ones. With `flush_secs=0`, and in a ddp_spawn worker (a logger rebuilt from a pickle, which
+    Lightning does not finalize when its fit fails), each call is handed over as it comes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.summary.writer.event_file_writer import _AsyncWriter
 
@@ -283,28 +284,28 @@ def test_logged_scalars_reach_the_writer_thread_in_batches_at_checkpoints_every_
     handed: list[bytes] = []
     write = _AsyncWriter.write
     monkeypatch.setattr(_AsyncWriter, "write", lambda self, data: (handed.append(data), write(self, data))[1])
-    clock = [1000.0]
-    monkeypatch.setattr(tensorboard, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time), raising=False)
+    clock = [1000.0]  # monotonic seconds; wall time: a day later, in the same steps
+    fake = SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0] + 86_400)
+    monkeypatch.setattr(tensorboard, "time", fake, raising=False)
     logger = tensorboard.TensorBoardLogger(str(tmp_path), version="", flush_secs=30)
     logger.experiment  # the file's first event (its version) is written when the writer is made
     opened = len(handed)
 
-    def scalars() -> list[tuple[int, str, float, float]]:
-        read = EventAccumulator(logger.log_dir).Reload()
+    def scalars(run: str) -> list[tuple[int, str, float, float]]:
+        read = EventAccumulator(run).Reload()
         found = [
             (e.step, tag, round(e.value, 3), e.wall_time) for tag in read.Tags()["scalars"] for e in read.Scalars(tag)
         ]
         return sorted(found, key=lambda s: s[0])
 
-    before = time.time()
     for step in range(3):
         logger.log_metrics({"train/loss_step": 1.0 + step}, step)
         clock[0] += 10
     assert len(handed) == opened  # 20 s after the oldest: still held
     logger.after_save_checkpoint(None)
     assert len(handed) == opened + 3
-    assert [s[:3] for s in scalars()] == [(step, "train/loss_step", 1.0 + step) for step in range(3)]
-    assert all(before <= s[3] <= time.time() for s in scalars())
+    logged = [(step, "train/loss_step", 1.0 + step, 87_400.0 + 10 * step) for step in range(3)]
+    assert scalars(logger.log_dir) == logged  # the steps and wall times of the calls
 
     logger.log_metrics({"val/acc": 0.5}, 3)
     clock[0] += 29
@@ -315,7 +316,43 @@ def test_logged_scalars_reach_the_writer_thread_in_batches_at_checkpoints_every_
     assert len(handed) == opened + 6
 
     logger.log_metrics({"val/acc": 0.8}, 6)
-    held = pickle.loads(pickle.dumps(logger))  # ddp_spawn's copy: none of the held events travel with it
-    held.finalize("success")
+    spawned = pickle.loads(pickle.dumps(logger))  # ddp_spawn's copy: none of the held events travel with it
+    spawned.log_metrics({"val/acc": 0.9}, 7)  # and it writes each call at once: a file of its own, then the call
+    assert len(handed) == opened + 6 + 2
+    spawned.finalize("success")
     logger.finalize("success")
-    assert [s[:3] for s in scalars()][3:] == [(s, "val/acc", a) for s, a in ((3, 0.5), (4, 0.6), (5, 0.7), (6, 0.8))]
+    assert [s[:3] for s in scalars(logger.log_dir)][3:] == [
+        (s, "val/acc", a) for s, a in ((3, 0.5), (4, 0.6), (5, 0.7), (6, 0.8), (7, 0.9))
+    ]
+
+    assert len(handed) == opened + 9  # 0.8, held until the end
+    at_once = tensorboard.TensorBoardLogger(str(tmp_path), version="at_once", flush_secs=0)
+    at_once.log_metrics({"val/acc": 0.5}, 0)
+    assert len(handed) == opened + 9 + 2  # its file's first event, then the call's own
+
+
+def test_a_failed_runs_logger_closes_without_replacing_the_runs_error_with_a_write_error(tmp_path, monkeypatch):
+    """The held events are written when Lightning finalizes the logger. When that write fails too (the disk the
+    run's error came from), a failed run keeps its own error, and the writer is closed all the same; a run that
+    succeeded reports the write's error."""
+    import errno
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriter
+
+    from project.loggers.tensorboard import TensorBoardLogger
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for status in ("failed", "success"):
+        logger = TensorBoardLogger(str(tmp_path), version=status)
+        logger.experiment
+        logger.log_metrics({"val/acc": 0.5}, 0)
+        with monkeypatch.context() as patched:
+            patched.setattr(_AsyncWriter, "write", full)
+            if status == "failed":
+                logger.finalize(status)
+            else:
+                with pytest.raises(OSError, match="No space left"):
+                    logger.finalize(status)
+        assert logger.experiment.file_writer is None  # closed: Lightning's finalize ran

@@ -15,7 +15,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.errors import UserError, disk_error_in, exit_with, user_error_in
+from project.errors import UserError, disk_error_in, exit_with, run_log, user_error_in
 from project.launch import sweeps
 from project.launch.sweeps import record_failure
 from project.runs.dirs import remove_if_unused
@@ -185,24 +185,25 @@ def run(task: str, cfg: DictConfig) -> Any:
 
     _ignore_known_warnings()
     hc = HydraConfig.get()
-    try:
-        check_config(cfg)
-        function = _task(task)
-        _one_console_output()
-        return function(cfg)
-    except Exception as e:
-        if full_error():
-            raise
-        if hc.mode == RunMode.MULTIRUN:
-            record_failure(Path(hc.runtime.output_dir), _error_line(e))
-            return None
-        lost = _lost_rank(e)
-        if lost is not None:
-            raise SystemExit(1) from None  # the one line about the dead rank is printed
-        disk = disk_error_in(e)
-        if disk is not None:
-            exit_with(disk)  # what was written before stays
-        if not _config_error(e):
-            raise  # a bug: its traceback is the useful report
-        remove_if_unused(Path(hc.runtime.output_dir))
-        exit_with(e if isinstance(e, UserError) else UserError(_error_line(e)))
+    with run_log():  # the line that ends the run also goes to its log file
+        try:
+            check_config(cfg)
+            function = _task(task)
+            _one_console_output()
+            return function(cfg)
+        except Exception as e:
+            if full_error():
+                raise
+            if hc.mode == RunMode.MULTIRUN:
+                record_failure(Path(hc.runtime.output_dir), _error_line(e))
+                return None
+            lost = _lost_rank(e)
+            if lost is not None:
+                raise SystemExit(1) from None  # the one line about the dead rank is printed
+            disk = disk_error_in(e)
+            if disk is not None:
+                exit_with(disk)  # what was written before stays
+            if not _config_error(e):
+                raise  # a bug: its traceback is the useful report
+            remove_if_unused(Path(hc.runtime.output_dir))
+            exit_with(e if isinstance(e, UserError) else UserError(_error_line(e)))

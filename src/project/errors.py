@@ -4,6 +4,7 @@ import errno
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 
@@ -25,17 +26,44 @@ def exit_with(error: UserError) -> NoReturn:
     raise SystemExit(2)
 
 
+_in_a_run = False  # while project.entry.run runs a task (run_log)
+
+
 def say(line: str) -> None:
-    """The line that ends or stops a run, on stderr and also in the run's log file (`<run dir>/<task>.log`, Hydra's
-    file handler) while that is still there: a run read later (nohup, a SLURM job, a sweep's job) says how it ended.
-    A run dir that a refused run leaves no trace of is not made again for it."""
+    """The line that ends or stops a run, on stderr and, while a task runs (`run_log`), also in the run's log file
+    (`<run dir>/<task>.log`, Hydra's file handler) when that is still there: a run read later (nohup, a SLURM job, a
+    sweep's job) says how it ended. A run dir that a refused run leaves no trace of is not made again for it, and a
+    log file that cannot be written (the full disk the line may be about) leaves the line on stderr alone."""
     import logging
 
     print(line, file=sys.stderr, flush=True)  # a process may end with os._exit next: no buffer is left behind
+    if not _in_a_run:
+        return
     record = logging.LogRecord("project", logging.ERROR, __file__, 0, line, None, None)
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and os.path.exists(handler.baseFilename):
-            handler.handle(record)
+        stream = getattr(handler, "stream", None)
+        if not isinstance(handler, logging.FileHandler) or stream is None or not os.path.exists(handler.baseFilename):
+            continue
+        handler.acquire()
+        try:
+            stream.write(handler.format(record) + handler.terminator)
+            stream.flush()
+        except (OSError, ValueError):  # a full or read-only disk, a closed file: stderr has the line
+            pass
+        finally:
+            handler.release()
+
+
+@contextmanager
+def run_log() -> Iterator[None]:
+    """While a task runs (project.entry.run): what `say` says also goes to its log file. Not before or after it: a
+    sweep's own lines would land in the log of the job that ran last in the process."""
+    global _in_a_run
+    before, _in_a_run = _in_a_run, True
+    try:
+        yield
+    finally:
+        _in_a_run = before
 
 
 def user_error_in(error: BaseException) -> UserError | None:

@@ -134,6 +134,9 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # A ddp_spawn worker rebuilds the logger from a pickle, and Lightning does not finalize the loggers when a
+        # fit fails there: nothing is held back in it (each call is written as it comes, the slower way).
+        self._flush_secs = 0.0
         use_fast_checksums()  # a spawned process (ddp_spawn) rebuilds the logger from a pickle, not __init__
         leave_writer_disk_errors_to_the_run()
 
@@ -195,7 +198,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self._held.append((summary, step, time.time()))
         if self._held_since is None:
             self._held_since = now
-        elif now - self._held_since >= self._flush_secs:
+        if now - self._held_since >= self._flush_secs:
             self._write_held()
 
     def _write_held(self) -> None:
@@ -226,5 +229,10 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        self._write_held()  # before Lightning's flush and close, also when the run failed
-        super().finalize(status)
+        try:
+            self._write_held()  # before Lightning's flush and close, also when the run failed
+        except OSError:  # the writer thread's disk error: a failed run's own error is the one to report
+            if status != "failed":
+                raise
+        finally:
+            super().finalize(status)
