@@ -116,6 +116,11 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         log_graph: bool = False,
         **kwargs: Any,
     ) -> None:
+        flush_secs = kwargs.get("flush_secs", 120)  # SummaryWriter's default
+        if not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
+            raise ValueError(
+                f"flush_secs must be a number of seconds > 0 (at 0 the event writer's thread spins), got {flush_secs!r}"
+            )
         version = sweep_job_name() if version is None else version
         use_fast_checksums()
         leave_writer_disk_errors_to_the_run()
@@ -123,7 +128,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self.hparam_keys, self.metric_names = list(hparams), list(metrics)
         self._summary_written = False
         self._hparams_file_written = False
-        self._flush_secs = float(kwargs.get("flush_secs", 120))  # SummaryWriter's default
+        self._flush_secs = float(flush_secs)
         self._held: list[tuple[Any, int | None, float]] = []  # log_metrics' events not yet handed over
         self._held_since: float | None = None
 
