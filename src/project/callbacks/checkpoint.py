@@ -14,8 +14,8 @@ When an epoch's checkpoint is the best so far, the best file and last.ckpt are s
 hold the same state, but for last.ckpt's own callback state as it was before its save (after the first epoch it
 names last.ckpt either way; what a resume reads of it). last.ckpt is then made from the best file (a hard link, or
 a copy where the filesystem has none) instead of collecting and serializing the state a second time (the MLP's pair
-holds the training thread 1.3 ms instead of 2.4, benchmarks/per_call.py, and Lightning's collection of the state,
-about 1 ms timed by hand, is saved too; a ResNet-18 save holds it 160 ms), and the on_save_checkpoint hooks run
+holds the training thread 1.3 ms instead of 2.5, benchmarks/per_call.py, and Lightning's collection of the state,
+about 1 ms timed by hand, is saved too; a ResNet-18 save holds it 154 ms), and the on_save_checkpoint hooks run
 once. Only when nothing can run between the two saves: the best callback comes right before last.ckpt's in the
 callback list (as in conf/callbacks/model_checkpoint.yaml) and saved in the same hook call, with the same
 `save_weights_only`, to single local files.

@@ -59,7 +59,7 @@ def answer_cuda_checks_without_nvml() -> None:
     Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 when it is imported, so that looking for GPUs does not initialize
     CUDA before processes are forked. torch caches NVML's answer only once CUDA is initialized, which never happens
     without a GPU, so every is_available() tries to load the NVML library again, and torch's optimizers call it on
-    every step (Adam's step on the MLP: 430 µs against 266 µs, benchmarks/per_call.py; tests/test_step_costs.py
+    every step (Adam's step on the MLP: 443 µs against 273 µs, benchmarks/per_call.py; tests/test_step_costs.py
     counts the lookups). With no GPU visible there is nothing for the runtime's count to initialize. With one, the
     setting is left as Lightning made it.
     """

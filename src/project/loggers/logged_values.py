@@ -2,8 +2,8 @@
 
 Lightning keeps each logged value in a result object (`_ResultMetric`, a torchmetrics Metric) and, on every
 `self.log` call, moves that object to the value's device: `_ResultMetric.to` rebuilds its whole `__dict__` through
-`apply_to_collection`, and for a logged Metric runs `Module.to` over it: most of a `self.log` call (178-180 µs of
-Lightning's logging a call, 21-25 µs without the move: benchmarks/per_call.py), also when everything is already there,
+`apply_to_collection`, and for a logged Metric runs `Module.to` over it: most of a `self.log` call (168 µs of
+Lightning's logging a call, 21-24 µs without the move: benchmarks/per_call.py), also when everything is already there,
 which after the first call of a run it always is. `skip_needless_moves` makes the move return at once when every
 tensor and metric the object holds (directly or in one of its dicts, such as the state defaults) is already on that
 device; any other call is Lightning's own. It is installed when the Trainer is built (project.build.trainer), for

@@ -167,10 +167,10 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Lightning's, with every scalar of a call in one event: Lightning writes an event per scalar (a summary,
-        an event, its serialization and a record each), twice this one's time for an epoch's four validation
-        scalars (benchmarks/per_call.py); a classifier's epoch logs about twenty. TensorBoard reads the same tags,
-        steps and values. A dict is still a run of its own per key (`add_scalars`, after the call's scalars), and
-        a call with a scalar that is not a number writes nothing."""
+        an event, its serialization and a record each), about twice the time of one event a call for an epoch's
+        four validation scalars (benchmarks/per_call.py); a classifier's epoch logs about twenty. The event is held
+        (`_hold`). TensorBoard reads the same tags, steps and values. A dict is still a run of its own per key
+        (`add_scalars`, after the call's scalars), and a call with a scalar that is not a number writes nothing."""
         from lightning.fabric.utilities.logger import _add_prefix
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch import Tensor

@@ -17,8 +17,8 @@ order they were saved, and a failed write ends the run at that point with its on
 write nothing more is written (an epoch's last.ckpt never names a best file that is not on disk), and the run ends
 at last.ckpt's save, or at the next save when the failure came while last.ckpt was being copied. A signal's save
 and a SLURM requeue's are never in the background. The training thread still collects and serializes the state; what
-leaves it is the file I/O (the write, the fsyncs, the rename): a save alone holds it 1.2 ms instead of 2.8 ms for
-the MLP, 160 instead of 228 ms for ResNet-18, on this project's 2-core machine's local disk
+leaves it is the file I/O (the write, the fsyncs, the rename): a save alone holds it 1.3 ms instead of 3.2 ms for
+the MLP, 154 instead of 216 ms for ResNet-18, on this project's 2-core machine's local disk
 (benchmarks/per_call.py). A kill -9 during the write leaves the previous file, as it would during a write on the
 training thread. The cost: up to two copies of the checkpoint in memory until they are written.
 """
