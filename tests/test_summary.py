@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,6 +40,15 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
     statuses = {r["job"]: r["status"] for r in csv.DictReader((root / "summary.csv").open())}
     assert statuses == {"0": "unfinished", "1": "unfinished", "2": "ok"}
     assert "3 jobs: 1 ok, 2 unfinished" in again.stdout
+
+    # a sweep killed before its last job started: that job is a row too, with the overrides it would have run with
+    shutil.rmtree(root / "2")
+    again = run_python([sys.executable, "-m", "project.runs.summary", str(root)], tmp_path, cli_env())
+    assert again.returncode == 0, again.stderr
+    rows = {r["job"]: r for r in csv.DictReader((root / "summary.csv").open())}
+    assert {job: r["status"] for job, r in rows.items()} == {"0": "unfinished", "1": "unfinished", "2": "not started"}
+    assert rows["2"]["overrides"] == "profile=tiny model=mlp model.optimizer.lr=0.001"
+    assert "3 jobs: 2 unfinished, 1 not started" in again.stdout
 
 
 def test_the_command_refuses_a_directory_that_is_no_sweep(tmp_path: Path):

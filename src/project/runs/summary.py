@@ -2,9 +2,9 @@
 
 Written into the sweep dir when a multirun ends (SweepSummary, a Hydra callback) and by
 `python -m project.runs.summary <sweep dir>` for an existing one: summary.csv, summary.md (sorted by the
-optimized metric, best first) and summary.png (the metric against each swept parameter). It reads only what
-each job left in its directory, so it works for any sweeper and launcher, and a failed or killed job is a
-row, never a crash of the summary.
+optimized metric, best first) and summary.png (the metric against each swept parameter). It reads what each
+job left in its directory, so it works for any sweeper and launcher, and a failed or killed job is a row, never
+a crash of the summary; for a basic sweep, also the jobs it planned (multirun.yaml) that never started.
 """
 
 import csv
@@ -34,6 +34,7 @@ class Job:
     name: str
     overrides: dict[str, str]
     status: str  # ok | failed | pruned | interrupted (by a signal: resumable) | unfinished (killed, or running)
+    # | not started (a basic sweep's job whose directory is not there: the sweep was killed, or is still running)
     metric: float | None = None
     test: float | None = None
     epochs: int | None = None
@@ -119,14 +120,42 @@ def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
     return metric, not any(word in metric for word in ("loss", "error", "mse", "mae"))
 
 
+def _planned(sweep_dir: Path) -> list[tuple[str, dict[str, str]]]:
+    """The jobs a basic sweep planned, by directory name, with their overrides: its sweep parameters and command line
+    (multirun.yaml) expanded as Hydra's basic sweeper expands them. Nothing for other sweepers (Optuna's trials are not
+    known ahead), for job directories named otherwise than by job number, or for what cannot be expanded here."""
+    path = sweep_dir / "multirun.yaml"
+    if not path.is_file():
+        return []
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        hydra = yaml.safe_load(path.read_text())["hydra"]  # as written: the job dirs' name unresolved
+        if hydra["sweeper"]["_target_"] != f"{BasicSweeper.__module__}.BasicSweeper":
+            return []
+        if hydra["sweep"]["subdir"] != "${hydra.job.num}":
+            return []
+        params = [f"{key}={value}" for key, value in (hydra["sweeper"].get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides([*params, *hydra["overrides"]["task"]])
+        batches = BasicSweeper.split_arguments(overrides, None)
+    except Exception:  # e.g. a sweep over globs of config files needs Hydra's config loader: its rows stay as found
+        return []
+    jobs = [job for batch in batches for job in batch]
+    return [(str(num), dict(o.lstrip("+~").split("=", 1) for o in job)) for num, job in enumerate(jobs)]
+
+
 def read_sweep(sweep_dir: Path) -> tuple[list[Job], str]:
     """Every job of the sweep, best first; then the jobs whose metric is partial (interrupted), then those without
-    one (failed, unfinished)."""
+    one (failed, unfinished), then a basic sweep's jobs that never started."""
     metric, higher_better = _sweep_settings(sweep_dir)
     dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
     jobs = [read_job(p, metric) for p in sorted(dirs, key=lambda p: (len(p.name), p.name))]
+    started = {job.name for job in jobs}
+    jobs += [Job(name, overrides, "not started") for name, overrides in _planned(sweep_dir) if name not in started]
     sign = -1 if higher_better else 1
-    jobs.sort(key=lambda j: (j.metric is None, j.status == "interrupted", sign * (j.metric or 0.0)))
+    never = lambda j: j.status == "not started"  # noqa: E731
+    jobs.sort(key=lambda j: (never(j), j.metric is None, j.status == "interrupted", sign * (j.metric or 0.0)))
     return jobs, metric
 
 
@@ -171,7 +200,8 @@ def to_csv(jobs: list[Job], metric: str) -> str:
 def to_markdown(jobs: list[Job], metric: str, sweep_dir: Path) -> str:
     header = [metric if c == "metric" else test_metric_for(metric) if c == "test" else c for c in COLUMNS]
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
-    counts = {s: sum(j.status == s for j in jobs) for s in ("ok", "pruned", "failed", "interrupted", "unfinished")}
+    statuses = ("ok", "pruned", "failed", "interrupted", "unfinished", "not started")
+    counts = {s: sum(j.status == s for j in jobs) for s in statuses}
     lines = [
         f"# Sweep {sweep_dir}",
         "",
@@ -224,7 +254,7 @@ def plot(jobs: list[Job], metric: str, path: Path) -> None:
         ax.grid(alpha=0.3)
     failed = sum(job.metric is None or job.status not in ("ok", "pruned") for job in jobs)
     title = f"{metric} by swept parameter" + (
-        f" ({failed} jobs not shown: failed, interrupted or unfinished)" if failed else ""
+        f" ({failed} jobs not shown: failed, interrupted, unfinished or not started)" if failed else ""
     )
     fig.suptitle(title, fontsize=10)
     if any(job.status == "pruned" and job.metric is not None for job in jobs):
