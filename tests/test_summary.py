@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import cli_env, run_python
 
 pytestmark = pytest.mark.slow
@@ -75,3 +76,31 @@ def test_a_job_a_signal_stopped_is_interrupted_not_ok(tmp_path: Path):
     assert [(job.name, job.status) for job in jobs] == [("0", "ok"), ("1", "interrupted"), ("2", "unfinished")]
     proc = run_python([sys.executable, "-m", "project.runs.summary", str(tmp_path)], tmp_path, cli_env())
     assert "3 jobs: 1 ok, 1 interrupted, 1 unfinished" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_basic_sweeps_planned_jobs_that_never_started_are_rows_and_no_others(tmp_path: Path):
+    """From multirun.yaml, as Hydra's basic sweeper expands it (its params first, then the command line): job 2 never
+    started. Job 1's folder is there without `.hydra/` (hydra.output_subdir=null): started, so not such a row; an
+    Optuna sweep's trials are not known ahead, and add none."""
+    from project.runs.summary import read_sweep
+
+    def sweep(target: str) -> Path:
+        root = tmp_path / target.rsplit(".", 1)[-1]
+        (root / "0" / ".hydra").mkdir(parents=True)
+        (root / "0" / "fit_metrics.json").write_text(json.dumps({"status": "ok", "best/val/acc": 0.9}))
+        (root / "1").mkdir()
+        hydra = {
+            "sweeper": {"_target_": target, "params": {"model.optimizer.lr": "0.1,0.01,0.001"}},
+            "sweep": {"subdir": "${hydra.job.num}"},
+            "overrides": {"task": ["seed=1", "model.net.hidden=[8,8]"]},
+        }
+        (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))
+        return root
+
+    jobs, _ = read_sweep(sweep("hydra._internal.core_plugins.basic_sweeper.BasicSweeper"))
+    assert [(job.name, job.status, job.overrides) for job in jobs] == [
+        ("0", "ok", {}),
+        ("2", "not started", {"model.optimizer.lr": "0.001", "seed": "1", "model.net.hidden": "[8,8]"}),
+    ]
+    jobs, _ = read_sweep(sweep("hydra_plugins.project_optuna_sweeper.optuna_sweeper.OptunaSweeper"))
+    assert [(job.name, job.status) for job in jobs] == [("0", "ok")]

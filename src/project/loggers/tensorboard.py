@@ -117,7 +117,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         **kwargs: Any,
     ) -> None:
         flush_secs = kwargs.get("flush_secs", 120)  # SummaryWriter's default
-        if not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
+        if isinstance(flush_secs, bool) or not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
             raise ValueError(
                 f"flush_secs must be a number of seconds > 0 (at 0 the event writer's thread spins), got {flush_secs!r}"
             )
@@ -236,8 +236,22 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     def finalize(self, status: str) -> None:
         try:
             self._write_held()  # before Lightning's flush and close, also when the run failed
-        except OSError:  # the writer thread's disk error: a failed run's own error is the one to report
+            super().finalize(status)
+        except OSError:  # the writer thread's disk error, raised again at every write and flush
             if status != "failed":
                 raise
-        finally:
-            super().finalize(status)
+            self._close_unflushed()  # a failed run's own error is the one to report
+
+    def _close_unflushed(self) -> None:
+        """The event files closed without the flush that raises the writer thread's error again (that thread has
+        ended on it), so that the next stage (test after fit) opens new ones."""
+        experiment: Any = self._experiment
+        if experiment is None:
+            return
+        writers: dict[str, Any] = experiment.all_writers or {}
+        for writer in writers.values():
+            try:
+                writer.close()
+            except OSError:
+                pass
+        experiment.file_writer = experiment.all_writers = None

@@ -151,7 +151,7 @@ def read_sweep(sweep_dir: Path) -> tuple[list[Job], str]:
     metric, higher_better = _sweep_settings(sweep_dir)
     dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
     jobs = [read_job(p, metric) for p in sorted(dirs, key=lambda p: (len(p.name), p.name))]
-    started = {job.name for job in jobs}
+    started = {p.name for p in sweep_dir.iterdir() if p.is_dir()}  # with or without .hydra/ (hydra.output_subdir)
     jobs += [Job(name, overrides, "not started") for name, overrides in _planned(sweep_dir) if name not in started]
     sign = -1 if higher_better else 1
     never = lambda j: j.status == "not started"  # noqa: E731
