@@ -56,8 +56,10 @@ BAD_INPUTS = [
     ("train.py", ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0: must be at least 1"),
     ("train.py", ["model.compile=nonsense"], "compile='nonsense' is not a torch.compile backend"),
     ("train.py", ["model.net.hidden=0"], "model: ValueError: widths must be >= 1"),
-    ("train.py", ["logger.tensorboard.flush_secs=0"], "flush_secs must be a number of seconds > 0"),
-    ("train.py", ["logger.tensorboard.flush_secs=true"], "flush_secs must be a number of seconds > 0"),
+    ("train.py", ["logger.tensorboard.flush_secs=0"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
+    ("train.py", ["logger.tensorboard.flush_secs=true"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
+    ("train.py", ["logger.tensorboard.flush_secs=1e-9"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
+    ("train.py", ["logger.tensorboard.flush_secs=inf"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["paths.output_dir=/proc/x"], "paths.output_dir=/proc/x: cannot be created"),
     ("train.py", ["hydra.run.dir=/proc/x"], "hydra.run.dir=/proc/x: cannot be created"),
     (

@@ -80,8 +80,8 @@ def test_a_job_a_signal_stopped_is_interrupted_not_ok(tmp_path: Path):
 
 def test_a_basic_sweeps_planned_jobs_that_never_started_are_rows_and_no_others(tmp_path: Path):
     """From multirun.yaml, as Hydra's basic sweeper expands it (its params first, then the command line): job 2 never
-    started. Job 1's folder is there without `.hydra/` (hydra.output_subdir=null): started, so not such a row; an
-    Optuna sweep's trials are not known ahead, and add none."""
+    started. Job 1's folder is there without `.hydra/` (hydra.output_subdir=null, or a job just starting): a row of
+    its own, with its planned overrides. An Optuna sweep's trials are not known ahead: no such rows."""
     from project.runs.summary import read_sweep
 
     def sweep(target: str) -> Path:
@@ -98,9 +98,24 @@ def test_a_basic_sweeps_planned_jobs_that_never_started_are_rows_and_no_others(t
         return root
 
     jobs, _ = read_sweep(sweep("hydra._internal.core_plugins.basic_sweeper.BasicSweeper"))
+    planned = {"seed": "1", "model.net.hidden": "[8,8]"}
     assert [(job.name, job.status, job.overrides) for job in jobs] == [
-        ("0", "ok", {}),
-        ("2", "not started", {"model.optimizer.lr": "0.001", "seed": "1", "model.net.hidden": "[8,8]"}),
+        ("0", "ok", {"model.optimizer.lr": "0.1", **planned}),
+        ("1", "unfinished", {"model.optimizer.lr": "0.01", **planned}),
+        ("2", "not started", {"model.optimizer.lr": "0.001", **planned}),
     ]
     jobs, _ = read_sweep(sweep("hydra_plugins.project_optuna_sweeper.optuna_sweeper.OptunaSweeper"))
     assert [(job.name, job.status) for job in jobs] == [("0", "ok")]
+
+
+def test_a_job_killed_during_its_test_is_unfinished_not_ok(tmp_path: Path):
+    """Its fit's metrics are there, but its config asked for a test (`test: true`) that wrote none."""
+    from project.runs.summary import read_sweep
+
+    for name, test in {"0": True, "1": True, "2": False}.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"train": True, "test": test}))
+        (tmp_path / name / "fit_metrics.json").write_text(json.dumps({"status": "ok", "best/val/acc": 0.9}))
+    (tmp_path / "0" / "test_metrics.json").write_text(json.dumps({"status": "ok", "test/acc": 0.8}))
+    jobs, _ = read_sweep(tmp_path)
+    assert sorted((job.name, job.status) for job in jobs) == [("0", "ok"), ("1", "unfinished"), ("2", "ok")]

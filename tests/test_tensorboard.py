@@ -160,6 +160,7 @@ def test_a_run_killed_after_a_checkpoint_keeps_its_scalars_up_to_that_checkpoint
     scalars = EventAccumulator(str(run / "tensorboard")).Reload()
     # epoch 0's validation (Lightning puts it at the epoch's last step, 7) and the steps logged before it
     assert [e.step for e in scalars.Scalars("val/acc")] == [7]
+    assert [e.step for e in scalars.Scalars("train/acc")] == [7]  # logged after the checkpoint: a resume would not
     assert [e.step for e in scalars.Scalars("train/loss_step")][:4] == [1, 3, 5, 7], scalars.Scalars("train/loss_step")
     assert (run / "tensorboard" / "hparams.yaml").is_file()
 

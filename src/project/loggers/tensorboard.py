@@ -117,9 +117,10 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         **kwargs: Any,
     ) -> None:
         flush_secs = kwargs.get("flush_secs", 120)  # SummaryWriter's default
-        if isinstance(flush_secs, bool) or not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
+        if isinstance(flush_secs, bool) or not (isinstance(flush_secs, (int, float)) and 0.1 <= flush_secs <= 1e7):
             raise ValueError(
-                f"flush_secs must be a number of seconds > 0 (at 0 the event writer's thread spins), got {flush_secs!r}"
+                "flush_secs must be a number of seconds from 0.1 to 1e7 (below, TensorBoard's event writer thread "
+                f"spins; above, its wait overflows), got {flush_secs!r}"
             )
         version = sweep_job_name() if version is None else version
         use_fast_checksums()
@@ -131,6 +132,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self._flush_secs = float(flush_secs)
         self._held: list[tuple[Any, int | None, float]] = []  # log_metrics' events not yet handed over
         self._held_since: float | None = None
+        self._saved_at: int | None = None  # the step of the newest checkpoint: events up to it are not held
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -203,7 +205,10 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         self._held.append((summary, step, time.time()))
         if self._held_since is None:
             self._held_since = now
-        if now - self._held_since >= self._flush_secs:
+        # An epoch's own metrics logged after its checkpoint (Lightning logs train/ epoch metrics after the epoch's
+        # saves) go at once: a resume from that checkpoint would not log them again.
+        saved = self._saved_at is not None and step is not None and step <= self._saved_at
+        if saved or now - self._held_since >= self._flush_secs:
             self._write_held()
 
     def _write_held(self) -> None:
@@ -228,6 +233,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         super().after_save_checkpoint(checkpoint_callback)
+        self._saved_at = getattr(checkpoint_callback, "_last_global_step_saved", None)
         self._write_held()
         if self._experiment is not None:
             self._experiment.flush()

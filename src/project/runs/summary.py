@@ -90,9 +90,20 @@ def read_job(job_dir: Path, metric: str) -> Job:
         job.status = "pruned"
     elif "interrupted" in _statuses(job_dir):  # stopped by a signal, with its metrics so far
         job.status = "interrupted"
-    elif metrics:
+    elif metrics and not _test_missing(job_dir):  # killed during its test: unfinished
         job.status = "ok"
     return job
+
+
+def _test_missing(job_dir: Path) -> bool:
+    """The job's config asked for a test after training (`test: true`) and the test wrote no metrics."""
+    config = job_dir / ".hydra" / "config.yaml"
+    try:
+        cfg = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):  # no saved config (hydra.output_subdir=null): nothing said
+        return False
+    asked = isinstance(cfg, dict) and cfg.get("test") is True and cfg.get("train", True) is True
+    return asked and not (job_dir / "test_metrics.json").is_file()
 
 
 def _statuses(job_dir: Path) -> set[str]:
@@ -149,10 +160,14 @@ def read_sweep(sweep_dir: Path) -> tuple[list[Job], str]:
     """Every job of the sweep, best first; then the jobs whose metric is partial (interrupted), then those without
     one (failed, unfinished), then a basic sweep's jobs that never started."""
     metric, higher_better = _sweep_settings(sweep_dir)
-    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
+    planned = dict(_planned(sweep_dir))
+    # a job's folder: with .hydra/, or named as a planned job (hydra.output_subdir=null, or a job just starting)
+    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / ".hydra").is_dir() or p.name in planned)]
     jobs = [read_job(p, metric) for p in sorted(dirs, key=lambda p: (len(p.name), p.name))]
-    started = {p.name for p in sweep_dir.iterdir() if p.is_dir()}  # with or without .hydra/ (hydra.output_subdir)
-    jobs += [Job(name, overrides, "not started") for name, overrides in _planned(sweep_dir) if name not in started]
+    for job in jobs:
+        job.overrides = job.overrides or planned.get(job.name, {})
+    started = {job.name for job in jobs}
+    jobs += [Job(name, overrides, "not started") for name, overrides in planned.items() if name not in started]
     sign = -1 if higher_better else 1
     never = lambda j: j.status == "not started"  # noqa: E731
     jobs.sort(key=lambda j: (never(j), j.metric is None, j.status == "interrupted", sign * (j.metric or 0.0)))
