@@ -164,6 +164,21 @@ def test_a_signal_saves_writes_the_metrics_and_exits_non_zero(tmp_path, sig, cod
         assert train(tmp_path / "resumed", *command[2:]).returncode == 0
 
 
+def test_a_signal_found_on_an_epochs_last_batch_waits_for_its_validation_and_checkpoints(tmp_path):
+    """An agreement on an epoch's last batch comes before that epoch's validation: stopping there saved a last.ckpt
+    from which a resume skips the validation (the epoch never competed for the best file). The signal now waits for
+    the epoch's end, as one found during validation does."""
+    run_args = [*RUN, "checks.every_n_steps=8"]  # the agreement lands on the last of the epoch's 8 batches
+    stopped = train(tmp_path / "work", *run_args, env={"KILL_AT_STEP": "7", "KILL_SIGNAL": "SIGTERM"}, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert line.startswith("stopped by SIGTERM at epoch 0, step 8:"), line
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_000.ckpt", "last.ckpt"]
+    fit = json.loads((run / "fit_metrics.json").read_text())
+    assert fit["status"] == "interrupted" and fit["val/acc"] is not None, fit
+
+
 def test_a_signal_between_training_steps_is_honoured(tmp_path):
     """During the last validation: the run saves and stops before test; during test: the test stops. Both 143."""
     run_args = [*RUN[:-1], "+callbacks.probe._target_=probes.SignalAt", "test=true"]

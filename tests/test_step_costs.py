@@ -160,6 +160,7 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
             default_root_dir="unused",
             checkpoint_callbacks=[],
             strategy=SimpleNamespace(root_device=torch.device("cpu")),
+            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=False))),
         )
         checks.on_train_batch_end(trainer, net, torch.tensor(0.5), None, 0)  # an agreement: step 20
         assert checks._agreed_at == 20 and checks._last_finite == 0.5

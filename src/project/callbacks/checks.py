@@ -13,7 +13,7 @@ weights, a signal, the last loss), and that is the only host sync of these check
 - a signal to any rank stops every rank at the same step, at the latest `every_n_steps` steps later: each saves
   last.ckpt (a sharded checkpoint needs all of them), the metrics so far are written (`"status": "interrupted"`),
   one line says where to continue from, and the process exits 128 + the signal's number (SIGTERM: 143). A signal
-  during validation is honoured at the epoch's end, after its checkpoints (also the last one's: the run stops
+  during validation, or found on an epoch's last batch, is honoured at the epoch's end, after its checkpoints (also the last one's: the run stops
   before test); one during test (or between fit and test) stops the test (test_metrics.json
   `"status": "interrupted"`).
 
@@ -104,7 +104,10 @@ class RunChecks(L.Callback):
             self._last = loss
         step = trainer.global_step
         if step % self.every_n_steps == 0 and step != self._agreed_at:
-            self._agree(trainer, pl_module, signals=True)
+            # On an epoch's last batch a signal waits for the epoch's end (its validation and checkpoints, a few
+            # moments): a last.ckpt saved before them would resume past that epoch's validation.
+            last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            self._agree(trainer, pl_module, signals=not last)
 
     # ------------------------------------------------------------ where the ranks agree
 
