@@ -13,9 +13,9 @@ weights, a signal, the last loss), and that is the only host sync of these check
 - a signal to any rank stops every rank at the same step, at the latest `every_n_steps` steps later: each saves
   last.ckpt (a sharded checkpoint needs all of them), the metrics so far are written (`"status": "interrupted"`),
   one line says where to continue from, and the process exits 128 + the signal's number (SIGTERM: 143). A signal
-  during validation, or found on an epoch's last batch, is honoured at the epoch's end, after its checkpoints (also the last one's: the run stops
-  before test); one during test (or between fit and test) stops the test (test_metrics.json
-  `"status": "interrupted"`).
+  during validation, or found on an epoch's last batch, is honoured at the epoch's end, after its checkpoints
+  (also the last one's: the run stops before test); one during test (or between fit and test) stops the test
+  (test_metrics.json `"status": "interrupted"`).
 
 Lightning's own SIGTERM handler exits 0 (a scheduler reads a killed run as a success) and broadcasts from inside
 the handler, which hangs DDP when a rank other than 0 is signalled; here the handler only records the signal. Ours
