@@ -3,7 +3,8 @@
 - dp: DataParallel, removed from Lightning 2.0, rebuilt here (dp.py).
 - pipe: model parallelism in one process, a stage of the net per device, micro-batches pipelined (pipe.py).
 - pipeline: pipeline parallelism, one process per stage, on torch.distributed.pipelining (pipeline.py).
-- ddp, ddp_spawn: Lightning's, with sync_batchnorm that is skipped (not fatal) on CPU (ddp.py).
+- ddp, ddp_spawn: Lightning's, with sync_batchnorm that is skipped (not fatal) on CPU, a rendezvous that says whom it
+  waits for, and spawned workers that end their process group before they exit (ddp.py).
 - fsdp: FSDP2 through Lightning's ModelParallelStrategy, on CPU and GPU (fsdp.py); built by
   project.build from the name, because Lightning reserves the string "fsdp" for its GPU-only FSDP1.
 """
