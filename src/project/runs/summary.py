@@ -43,10 +43,15 @@ class Job:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _as_dict(overrides: list[str]) -> dict[str, str]:
+    """`key=value` overrides (`+key=`, `~key`) as {key: value}."""
+    pairs = (line.lstrip("+~").partition("=") for line in overrides)
+    return {key: value for key, _, value in pairs}
+
+
 def _overrides(job_dir: Path) -> dict[str, str]:
     path = job_dir / ".hydra" / "overrides.yaml"
-    lines = yaml.safe_load(path.read_text()) if path.is_file() else []
-    return dict(line.lstrip("+~").split("=", 1) if "=" in line else (line, "") for line in lines or [])
+    return _as_dict((yaml.safe_load(path.read_text()) if path.is_file() else None) or [])
 
 
 def _epochs(job_dir: Path) -> int | None:
@@ -131,36 +136,36 @@ def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
     return metric, not any(word in metric for word in ("loss", "error", "mse", "mae"))
 
 
-def _planned(sweep_dir: Path) -> list[tuple[str, dict[str, str]]]:
+def _planned(sweep_dir: Path) -> dict[str, dict[str, str]]:
     """The jobs a basic sweep planned, by directory name, with their overrides: its sweep parameters and command line
     (multirun.yaml) expanded as Hydra's basic sweeper expands them. Nothing for other sweepers (Optuna's trials are not
     known ahead), for job directories named otherwise than by job number, or for what cannot be expanded here."""
     path = sweep_dir / "multirun.yaml"
     if not path.is_file():
-        return []
+        return {}
     try:
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         hydra = yaml.safe_load(path.read_text())["hydra"]  # as written: the job dirs' name unresolved
         if hydra["sweeper"]["_target_"] != f"{BasicSweeper.__module__}.BasicSweeper":
-            return []
+            return {}
         if hydra["sweep"]["subdir"] != "${hydra.job.num}":
-            return []
+            return {}
         params = [f"{key}={value}" for key, value in (hydra["sweeper"].get("params") or {}).items()]
         overrides = OverridesParser.create().parse_overrides([*params, *hydra["overrides"]["task"]])
         batches = BasicSweeper.split_arguments(overrides, None)
     except Exception:  # e.g. a sweep over globs of config files needs Hydra's config loader: its rows stay as found
-        return []
+        return {}
     jobs = [job for batch in batches for job in batch]
-    return [(str(num), dict(o.lstrip("+~").split("=", 1) for o in job)) for num, job in enumerate(jobs)]
+    return {str(num): _as_dict(job) for num, job in enumerate(jobs)}
 
 
 def read_sweep(sweep_dir: Path) -> tuple[list[Job], str]:
     """Every job of the sweep, best first; then the jobs whose metric is partial (interrupted), then those without
     one (failed, unfinished), then a basic sweep's jobs that never started."""
     metric, higher_better = _sweep_settings(sweep_dir)
-    planned = dict(_planned(sweep_dir))
+    planned = _planned(sweep_dir)
     # a job's folder: with .hydra/, or named as a planned job (hydra.output_subdir=null, or a job just starting)
     dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / ".hydra").is_dir() or p.name in planned)]
     jobs = [read_job(p, metric) for p in sorted(dirs, key=lambda p: (len(p.name), p.name))]
