@@ -93,3 +93,17 @@ def test_ddp_spawn_trains_and_tests_on_two_cpu_processes(cli, tmp_path):
     (run,) = run_dirs(tmp_path / "logs")
     assert json.loads((run / "test_metrics.json").read_text())["status"] == "ok"
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_spawn_trains_a_users_own_lightning_module(cli, tmp_path):
+    """Lightning's README autoencoder (another task, its own self.log) in two spawned CPU workers: its checkpoints,
+    and its TensorBoard scalars, which a spawned worker's logger writes as they come."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from user_models import LIT_AUTOENCODER_3_EPOCHS
+
+    cli("train.py", *LIT_AUTOENCODER_3_EPOCHS, "trainer.strategy=ddp_spawn", "trainer.devices=2")
+    (run,) = run_dirs(tmp_path / "logs")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_002.ckpt", "last.ckpt"]
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert [e.step for e in scalars.Scalars("lr-Adam")] == [0, 4, 8] and scalars.Scalars("train_loss")
