@@ -149,7 +149,8 @@ def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.de
 
 def reduce_values(values: list[Any], sizes: list[int], reduce_fx: Any, root: torch.device) -> Tensor:
     """Plain logged values of the replicas as one: the mean weighted by chunk size, or their sum, max or min."""
-    tensors = [torch.as_tensor(v, dtype=torch.float32).to(root) for v in values]
+    # non_blocking: a logged Python number's copy to the GPU would otherwise wait for the queued kernels
+    tensors = [torch.as_tensor(v, dtype=torch.float32).to(root, non_blocking=True) for v in values]
     fx = getattr(reduce_fx, "__name__", reduce_fx)
     if fx == "mean":
         total = sum(sizes)
