@@ -127,10 +127,10 @@ class RunChecks(L.Callback):
         signum = float(self.signum if signals else 0)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # 1 where the losses' sum or the weights' norms are not finite (a max over the ranks of a NaN itself is
-            # not reliable), the signal, the last loss
-            found = torch.stack([losses, weights, weights.new_zeros(()), last])
-            found[:2] = found[:2].isfinite().logical_not()
-            found[2] = signum
+            # not reliable), the signal, the last loss. Built on the device: a Python number written into a GPU
+            # tensor (found[2] = signum) is a blocking copy, a second host sync (seen on an H200 over NCCL).
+            bad = torch.stack([losses, weights]).isfinite().logical_not().to(weights.dtype)
+            found = torch.cat([bad, weights.new_full((1,), signum), last.reshape(1).to(weights.dtype)])
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
             bad_loss, bad_weights, signum_found, last_loss = found.tolist()  # the one host sync
         else:  # one process: the numbers read back as they are (the one host sync) and checked here
@@ -236,7 +236,7 @@ class RunChecks(L.Callback):
     def _agree_on_signal(self, trainer: L.Trainer) -> None:
         signum = float(self.signum)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            found = torch.tensor([signum], device=trainer.strategy.root_device)
+            found = torch.full((1,), signum, device=trainer.strategy.root_device)  # no copy from the host
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
             signum = found.item()
         if signum:
