@@ -70,3 +70,25 @@ def test_fsdp_with_bf16_mixed_trains_on_two_processes(cli, tmp_path):
     meta = torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
     assert meta["run_config"]["trainer"]["precision"] == "bf16-mixed"
     assert 0.5 < json.loads((run / "fit_metrics.json").read_text())["val/acc"] <= 1.0
+
+
+def test_fsdp_evaluates_under_no_grad_not_inference_mode_whatever_the_backend(make_cfg, tmp_path, monkeypatch):
+    """FSDP2's gathered parameters break under torch.inference_mode ("Inference tensors do not track version
+    counter": eval.py of a sharded checkpoint on one H200, NCCL). Lightning evaluates under no_grad with gloo, so on
+    CPU the problem hides: here Lightning is told the backend is not gloo, as on GPUs; a user's own net is trained
+    and its sharded checkpoint evaluated."""
+    import lightning.pytorch.loops.utilities as loops
+
+    from project.tasks.evaluation import evaluate
+    from project.tasks.training import train
+
+    monkeypatch.setattr(loops, "_distributed_is_initialized", lambda: False)  # Lightning's gloo test says no
+    net = ["~model.net", "+model.net._target_=user_models.TutorialCNN", "trusted_packages=[user_models]"]
+    cfg = make_cfg("trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", "debug=limit", *net)
+    train(cfg)
+    (best,) = (tmp_path / "out" / "checkpoints").glob("epoch_*.ckpt")
+    evaluate(
+        make_cfg(
+            "trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", f"ckpt_path={best}", *net[2:], name="eval"
+        )
+    )

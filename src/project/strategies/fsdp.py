@@ -87,13 +87,18 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of
-        Lightning's demand that every LightningModule override configure_model."""
+        Lightning's demand that every LightningModule override configure_model. Evaluation runs under no_grad, as
+        Lightning's own FSDP strategy does: FSDP2 cannot gather parameters under torch.inference_mode ("Inference
+        tensors do not track version counter": eval.py of a sharded checkpoint on a GPU). Lightning picks no_grad by
+        itself only for gloo, so CPU runs never showed it."""
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
         from lightning.pytorch.trainer.states import TrainerFn
 
         module = self.lightning_module
         assert self.model is not None and self.accelerator is not None and module is not None
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
         self.accelerator.setup(trainer)
         self.parallelize(parallelize.net_of(module))
         _materialize_distributed_module(self.model, self.root_device)
