@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install lock upgrade test test-fast lint bench bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
+.PHONY: install lock upgrade test test-fast test-gpu lint bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
 
 install: $(BIN)/python  ## create .venv with exactly the versions in requirements.lock (hash-checked, compiled to bytecode once: every process imports lightning), then the project
 	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' requirements.lock)"
@@ -27,6 +27,9 @@ test:  ## the whole suite, slow end-to-end tests included; three test files at a
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
 
+test-gpu:  ## on a machine with a CUDA GPU: what CPU runs cannot show (tests/test_gpu.py and the tests that skip without CUDA)
+	$(BIN)/pytest -m gpu -rP
+
 lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on src/
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -43,6 +46,9 @@ bench:  ## the speed suite, a few minutes on CPU: benchmarks/results/*.{json,png
 	$(BIN)/python benchmarks/ddp.py
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/profile_run.py
+
+bench-gpu:  ## on one CUDA GPU: the step loop against bare Lightning there, benchmarks/results/step_loop_gpu.{json,png}
+	$(BIN)/python benchmarks/step_loop.py --accelerator gpu
 
 bench-peer:  ## make the lightning-hydra-template's venv (pip: rootutils, hydra-colorlog), then the figures that use it
 	$(BIN)/python benchmarks/peer.py --setup

@@ -195,7 +195,9 @@ class KillDuringSave(L.Callback):
 class SyncCounter(L.Callback):
     """Counts, per training step, the collectives (torch.distributed's Python calls: DDP's gradient buckets are not
     among them) and the host syncs (.item(), .tolist(), float(), bool(), int() of a tensor) each rank makes, with
-    who made them: `template` (this project's src/), `lightning`, `torchmetrics` or `other`. Writes
+    who made them: `template` (this project's src/), `lightning`, `torchmetrics` or `other`. On a CUDA device it also
+    counts what torch's sync debug mode reports: every operation that makes the host wait for the GPU, the implicit
+    ones too (a blocking copy to or from the device, nonzero, a tensor's truth value), as `cuda_sync`. Writes
     $PROBE_DIR/syncs_rank<r>.json: one record per event (kind, step, origin, where)."""
 
     COLLECTIVES = (
@@ -225,7 +227,7 @@ class SyncCounter(L.Callback):
         are looked through: they are how a call gets made, not who makes it)."""
         import traceback
 
-        for frame in reversed(traceback.extract_stack()[:-3]):
+        for frame in reversed(traceback.extract_stack()):  # this file's and torch's frames name no origin
             for origin, marker in (
                 ("template", "/src/project/"),
                 ("lightning", "/lightning/"),
@@ -258,6 +260,27 @@ class SyncCounter(L.Callback):
                     self._wrap(owner, name, "collective")
         for name in self.SYNCS:
             self._wrap(torch.Tensor, name, "sync")
+        if pl_module.device.type == "cuda":
+            self._watch_cuda()
+
+    def _watch_cuda(self) -> None:
+        import warnings
+
+        original, probe = warnings.showwarning, self
+
+        def shown(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing CUDA operation" not in str(message):
+                return original(message, category, filename, lineno, file, line)
+            if probe.active:
+                origin, where = probe._origin()
+                probe.events.append(
+                    {"kind": "cuda_sync", "call": "", "step": probe.step, "origin": origin, "where": where}
+                )
+
+        warnings.filterwarnings("always", message=".*synchronizing CUDA operation")  # every one, not the first
+        warnings.showwarning = shown
+        torch.cuda.set_sync_debug_mode("warn")
+        self._undo.append((warnings, "showwarning", original))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.step, self.active = trainer.global_step, True
@@ -277,6 +300,8 @@ class SyncCounter(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.active = False
+        if pl_module.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
         for owner, name, original in self._undo:
             setattr(owner, name, original)
         (probe_dir() / f"syncs_rank{trainer.global_rank}.json").write_text(json.dumps(self.events))

@@ -148,6 +148,7 @@ def test_replicas_that_log_different_keys_are_an_error_not_a_silent_mix():
         fit(DataParallelStrategy(ops=simulated_ops(), parallel_devices=[torch.device("cpu")] * 3), 3, LogsPerChunk)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_dp_on_two_gpus_trains_like_one():
     # the same module and data on 2 real GPUs, through torch's replicate/parallel_apply

@@ -45,6 +45,7 @@ def test_compile_compiles_the_forward_in_place(make_cfg, tmp_path):
     assert torch.isfinite(torch.tensor(json.loads((tmp_path / "out" / "test_metrics.json").read_text())["test/loss"]))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp16_mixed_trains_on_a_gpu(make_cfg, tmp_path):
     cfg = make_cfg("precision=fp16_mixed", "model=lenet", "debug=fdr", "trainer.accelerator=gpu")

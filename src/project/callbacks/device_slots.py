@@ -92,7 +92,10 @@ class DeviceSlots(Callback):
         gpus = self._gpus()
         if gpus and self.slots > len(gpus):
             exit_with(
-                UserError(f"hydra.launcher.n_jobs={self.slots}: only {len(gpus)} GPUs; run at most one job per GPU")
+                UserError(
+                    f"hydra.launcher.n_jobs={self.slots}: only {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}; "
+                    "run at most one job per GPU"
+                )
             )
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -1,0 +1,199 @@
+"""On a CUDA GPU: what a CPU run cannot show. Every test here skips without CUDA (`make test` on a CPU machine) and
+runs with `make test-gpu` on a machine with one GPU or more. With a single GPU, dp and pipe put two replicas or two
+stages on the same GPU: torch's real replicate / parallel_apply, and real copies between stages running in their own
+threads on CUDA. That checks the code on CUDA, not the speed of two GPUs. The models are users'
+(tests/user_models.py)."""
+
+import collections
+import json
+import re
+import subprocess
+import sys
+from functools import partial
+
+import lightning.pytorch as L
+import pytest
+import torch
+from conftest import cli_env, run_dirs
+from user_models import ResidualNet
+
+from project.data.digits import DigitsDataModule
+from project.models.classifier import ImageClassifier
+from project.strategies.dp import DataParallelStrategy
+from project.strategies.pipe import PipeStrategy
+from project.tasks.training import train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TINY = {"PROJECT_PROFILE": "tiny"}
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # what a laptop or a login node without a GPU sees
+TUTORIAL_CNN = ["~model.net", "+model.net._target_=user_models.TutorialCNN", "trusted_packages=[user_models]"]
+EVERY = 5
+
+
+def test_a_users_cnn_trains_on_the_gpu_and_its_checkpoint_evaluates_and_exports_without_one(cli, tmp_path):
+    cli("train.py", "trainer=gpu", *TUTORIAL_CNN, env=TINY, cwd=tmp_path / "train", cold=True)
+    (run,) = run_dirs(tmp_path / "train" / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "ok"
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    state = torch.load(best, weights_only=True)["state_dict"]
+    assert all(t.is_cuda for t in state.values())  # saved from the GPU as it was
+
+    cli("eval.py", f"ckpt_path={best}", *TUTORIAL_CNN[2:], env={**TINY, **NO_GPU}, cwd=tmp_path / "eval", cold=True)
+    (evaluated,) = run_dirs(tmp_path / "eval" / "logs", task="eval")
+    on_gpu = json.loads((run / "test_metrics.json").read_text())["test/loss"]
+    on_cpu = json.loads((evaluated / "test_metrics.json").read_text())["test/loss"]
+    assert on_cpu == pytest.approx(on_gpu, abs=5e-3)  # TF32 convolutions on the GPU round a little differently
+
+    onnx = tmp_path / "model.onnx"
+    cli("export.py", f"ckpt_path={best}", f"output={onnx}", *TUTORIAL_CNN[2:], env={**TINY, **NO_GPU}, cold=True)
+    (exported,) = run_dirs(tmp_path / "logs", task="export")
+    assert json.loads((exported / "export.json").read_text())["max_abs_difference"] <= 1e-4 and onnx.is_file()
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16_mixed", "torch.bfloat16"), ("fp16_mixed", "torch.float16")])
+def test_mixed_precision_computes_in_its_type_on_the_gpu(make_cfg, tmp_path, precision, dtype):
+    from probes import DtypeProbe
+
+    DtypeProbe.seen.clear()
+    cfg = make_cfg(
+        f"precision={precision}",
+        "model=lenet",
+        "debug=fdr",
+        "trainer.accelerator=gpu",
+        "+callbacks.dtype._target_=probes.DtypeProbe",
+    )
+    train(cfg)
+    assert DtypeProbe.seen == {dtype}  # autocast ran on CUDA
+    metrics = json.loads((tmp_path / "out" / "test_metrics.json").read_text())
+    assert torch.isfinite(torch.tensor(metrics["test/loss"]))
+
+
+@pytest.mark.parametrize("trainer", ["gpu", "ddp"], ids=["one GPU", "ddp over NCCL, 1 process"])
+def test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements(cli, tmp_path, trainer):
+    """torch's sync debug mode names every operation that makes the host wait for the GPU, the implicit ones too
+    (tests/probes.py's SyncCounter): the template's own are the agreements of project.callbacks.checks alone."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    cli(
+        "train.py",
+        f"trainer={trainer}",
+        "trainer.devices=1",
+        "model=mlp",
+        "trainer.max_epochs=1",
+        "+trainer.limit_train_batches=23",
+        "test=false",
+        f"checks.every_n_steps={EVERY}",
+        "+callbacks.sync._target_=probes.SyncCounter",
+        env={"PROBE_DIR": str(probe)},
+        cold=True,
+    )
+    events = [e for e in json.loads((probe / "syncs_rank0.json").read_text()) if e["step"] >= 0]
+    cuda = [e for e in events if e["kind"] == "cuda_sync"]
+    ours = [e for e in cuda if e["origin"] == "template"]
+    # the agreement at the end of every EVERY-th step (the probe names a step by its start), one sync each
+    assert collections.Counter(e["step"] for e in ours) == {s: 1 for s in range(23) if (s + 1) % EVERY == 0}, ours
+    per_origin = collections.Counter(e["origin"] for e in cuda)
+    where = collections.Counter(f"{e['origin']} {e['where']}" for e in cuda)
+    print(f"{trainer}: host syncs in 23 steps by origin {dict(per_origin)}; where: {dict(where)}")
+
+
+def test_fsdp_on_one_gpu_trains_a_users_net_in_bf16_and_its_shards_evaluate(cli, tmp_path):
+    cli("train.py", "trainer=fsdp", "trainer.devices=1", "precision=bf16_mixed", *TUTORIAL_CNN, env=TINY, cold=True)
+    (run,) = run_dirs(tmp_path / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "ok"
+    assert "fsdp: " in (run / "train.log").read_text()
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    assert best.is_dir()  # a sharded checkpoint
+    evaluate = ["trainer=fsdp", "trainer.devices=1", *TUTORIAL_CNN[2:]]  # a sharded checkpoint needs fsdp
+    cli("eval.py", f"ckpt_path={best}", *evaluate, env=TINY, cwd=tmp_path / "eval", cold=True)
+    (evaluated,) = run_dirs(tmp_path / "eval" / "logs", task="eval")
+    tested = json.loads((run / "test_metrics.json").read_text())["test/loss"]
+    assert json.loads((evaluated / "test_metrics.json").read_text())["test/loss"] == pytest.approx(tested, abs=2e-2)
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.fixture
+def float32():
+    """Full float32 matrix products and convolutions (no TF32): two ways of computing a step then agree closely."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def fit(strategy, devices: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A user's residual net (no BatchNorm: replicas and micro-batches normalise alike) on the GPU."""
+    L.seed_everything(0)
+    model = ImageClassifier(net=ResidualNet(), optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    losses = StepLosses()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="gpu",
+        devices=devices,
+        max_epochs=2,
+        limit_train_batches=6,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+    )
+    trainer.fit(model, DigitsDataModule(batch_size=48))
+    return losses.losses, {k: v.cpu() for k, v in model.net.state_dict().items()}
+
+
+@pytest.fixture
+def one_gpu(float32):
+    return fit("auto")
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        lambda gpu: DataParallelStrategy(parallel_devices=[gpu, gpu]),
+        lambda gpu: PipeStrategy(micro_batches=4, parallel_devices=[gpu, gpu]),
+    ],
+    ids=["dp: 2 replicas", "pipe: 2 stages, 4 micro-batches"],
+)
+def test_dp_and_pipe_take_the_same_steps_on_cuda_as_one_gpu(one_gpu, strategy):
+    single_losses, single_weights = one_gpu
+    losses, weights = fit(strategy(torch.device("cuda", 0)))
+    assert len(losses) == len(single_losses) == 12
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses), atol=1e-4, rtol=0)
+    for key, value in single_weights.items():
+        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_the_gpu_is_listed_used_by_default_and_refused_in_one_line_once_hidden(cli, tmp_path):
+    listed = subprocess.run(
+        [sys.executable, "-m", "project.launch.devices"], capture_output=True, text=True, env=cli_env()
+    )
+    assert re.search(r"CUDA: [1-9]\d* device\(s\)", listed.stdout), listed.stdout + listed.stderr
+    assert "  cuda:0  " in listed.stdout and "picks: CUDAAccelerator on cuda:0" in listed.stdout, listed.stdout
+    proc = cli("train.py", "trainer=gpu", env={**TINY, **NO_GPU}, check=False, cold=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert not (tmp_path / "logs" / "train" / "runs").exists() or not run_dirs(tmp_path / "logs")
+
+
+def test_a_parallel_sweep_gives_each_worker_its_gpu_and_refuses_more_workers_than_gpus(cli, tmp_path):
+    gpus = torch.cuda.device_count()
+    cli("train.py", "-m", "hydra/launcher=parallel", f"hydra.launcher.n_jobs={gpus}", "trainer=gpu", "seed=1,2",
+        env=TINY, cold=True)  # fmt: skip
+    (root,) = (tmp_path / "logs" / "train" / "multiruns").glob("*")
+    for job in ("0", "1"):
+        (pinned,) = re.findall(
+            r"device slot \d of \d+ \(pid \d+\): GPUs (\d+),", (root / job / "train.log").read_text()
+        )
+        assert int(pinned) < gpus and (root / job / "test_metrics.json").is_file()
+    refused = cli("train.py", "-m", "hydra/launcher=parallel", f"hydra.launcher.n_jobs={gpus + 1}", "seed=1,2",
+                  env=TINY, check=False, cold=True)  # fmt: skip
+    assert refused.returncode == 2 and "run at most one job per GPU" in refused.stderr
