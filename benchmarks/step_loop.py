@@ -22,11 +22,15 @@ what comes after them once an epoch (`epoch_end_ms`: validation, checkpoints, fi
 also timed with each once-an-epoch feature turned off as the README says (what each costs), and on an epoch the
 size of MNIST's training split (the digits repeated 16 times: 56,000), where the once-an-epoch costs weigh 16
 times less against the steps.
-Writes benchmarks/results/step_loop.json and step_loop.png.
+Writes benchmarks/results/step_loop.json and step_loop.png; with `--accelerator gpu` (one CUDA GPU, the data held
+on it as the template holds small data sets, every loop on it) step_loop_gpu.json and step_loop_gpu.png. On a GPU
+each epoch's times are read after the device has finished its work (a synchronisation once an epoch, in every
+loop alike).
 """
 
 import argparse
 import copy
+import functools
 import json
 import os
 import re
@@ -83,7 +87,7 @@ def nvml_check(on: bool | None) -> None:
         os.environ[NVML_CHECK] = "1" if on else "0"
 
 
-def compose_cfg(overrides: list[str], out: Path, epochs: int) -> DictConfig:
+def compose_cfg(overrides: list[str], out: Path, epochs: int, accelerator: str = "cpu") -> DictConfig:
     """The run config `python train.py <overrides>` would get, writing into `out`."""
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return compose(
@@ -93,6 +97,7 @@ def compose_cfg(overrides: list[str], out: Path, epochs: int) -> DictConfig:
                 f"paths.root_dir={out}",
                 f"paths.output_dir={out}",
                 f"trainer.max_epochs={epochs}",
+                f"trainer.accelerator={accelerator}",
                 "test=false",
                 "+callbacks.epoch_timer._target_=epoch_timer.EpochTimer",
                 f"+callbacks.epoch_timer.path={out / 'epochs.json'}",
@@ -106,31 +111,42 @@ def splits(repeat: int) -> dict[str, Any]:
     return data.splits
 
 
-def hand_written(net: nn.Module, data: dict[str, Any], epochs: int, batch: int) -> list[tuple[float, float]]:
+def settled(device: torch.device) -> float:
+    """The time once the device has finished the work queued on it (a CUDA GPU runs behind the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def hand_written(
+    net: nn.Module, data: dict[str, Any], epochs: int, batch: int, device: torch.device
+) -> list[tuple[float, float]]:
     """The loop everyone writes first; returns (training steps, whole epoch) seconds per epoch."""
     nvml_check(None)  # no Lightning imported
+    net.to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     criterion = nn.CrossEntropyLoss()
-    x_train, y_train = data["train"].images, data["train"].labels
-    x_val, y_val = data["val"].images, data["val"].labels
+    x_train, y_train = data["train"].images.to(device), data["train"].labels.to(device)
+    x_val, y_val = data["val"].images.to(device), data["val"].labels.to(device)
     times = []
     for _ in range(epochs):
-        start = time.perf_counter()
+        start = settled(device)
         net.train()
-        for idx in torch.randperm(len(y_train)).split(batch):
+        for idx in torch.randperm(len(y_train), device=device).split(batch):
             loss = criterion(net(x_train[idx]), y_train[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        trained = time.perf_counter() - start
+        trained = settled(device) - start
         net.eval()
-        correct = 0
+        correct = torch.zeros((), dtype=torch.long, device=device)
         with torch.no_grad():
             for i in range(0, len(y_val), batch):
-                correct += int((net(x_val[i : i + batch]).argmax(1) == y_val[i : i + batch]).sum())
+                correct += (net(x_val[i : i + batch]).argmax(1) == y_val[i : i + batch]).sum()
+        int(correct)  # the epoch's accuracy, read once
         scheduler.step()
-        times.append((trained, time.perf_counter() - start))
+        times.append((trained, settled(device) - start))
     return times
 
 
@@ -155,12 +171,12 @@ class BareModule(L.LightningModule):
 
 
 def bare_lightning(
-    net: nn.Module, epochs: int, batch: int, repeat: int, out: Path, nvml: bool = True
+    net: nn.Module, epochs: int, batch: int, repeat: int, out: Path, accelerator: str, nvml: bool = True
 ) -> list[tuple[float, float]]:
     nvml_check(nvml)
     timer = EpochTimer(str(out / "bare.json"))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,
@@ -180,26 +196,33 @@ def template(cfg: DictConfig) -> list[tuple[float, float]]:
     return [(e["train_s"], e["epoch_s"]) for e in epochs]
 
 
-def measure(name: str, workload: dict[str, Any], epochs: int, repeats: int, work: Path) -> dict[str, Any]:
+def measure(
+    name: str, workload: dict[str, Any], epochs: int, repeats: int, work: Path, accelerator: str
+) -> dict[str, Any]:
     repeat = workload.get("repeat", 1)
     overrides = workload["overrides"]
     if repeat > 1:
         overrides = [*overrides, "data._target_=repeated_digits.RepeatedDigits", f"+data.repeat={repeat}"]
-    probe = compose_cfg(overrides, work / "probe", epochs)
+    probe = compose_cfg(overrides, work / "probe", epochs, accelerator)
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
     torch.manual_seed(0)
     net = instantiate(probe.model.net)
     batch, data = int(probe.data.batch_size), splits(repeat)
     rounds, slug = iter(range(10**6)), re.sub("[^a-z0-9]+", "-", name)  # no commas in a Hydra override's path
 
     def templated(extra: list[str]) -> list[tuple[float, float]]:
-        return template(compose_cfg([*overrides, *extra], work / f"{slug}-{next(rounds)}", epochs))
+        return template(compose_cfg([*overrides, *extra], work / f"{slug}-{next(rounds)}", epochs, accelerator))
 
+    bare = functools.partial(
+        bare_lightning, epochs=epochs, batch=batch, repeat=repeat, out=work, accelerator=accelerator
+    )
     loops = {
-        "hand-written": lambda: hand_written(copy.deepcopy(net), data, epochs, batch),
-        "bare LightningModule": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, repeat, work),
-        "bare, no NVML check": lambda: bare_lightning(copy.deepcopy(net), epochs, batch, repeat, work, nvml=False),
+        "hand-written": lambda: hand_written(copy.deepcopy(net), data, epochs, batch, device),
+        "bare LightningModule": lambda: bare(copy.deepcopy(net)),
         "this template": lambda: templated([]),
     }
+    if accelerator == "cpu":  # with a GPU visible the check finds it: no failed lookup to leave out
+        loops["bare, no NVML check"] = lambda: bare(copy.deepcopy(net), nvml=False)
     for variant, extra in workload.get("features_off", {}).items():
         loops[variant] = lambda extra=extra: templated(extra)
     per_fit = interleaved(loops, repeats=repeats)  # each fit's first and last epochs are dropped below
@@ -237,9 +260,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5, help="per fit; the first and the last are left out")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for every loop alike")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="gpu: one CUDA GPU")
     args = parser.parse_args()
     if args.epochs < 3:
         parser.error("--epochs must be >= 3: the first and the last epoch of each fit are left out")
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        parser.error("--accelerator gpu needs a CUDA GPU, and torch sees none")
+    name = "step_loop" if args.accelerator == "cpu" else "step_loop_gpu"
     # One thread: on 2 cores, two threads are stalled by anything else that runs, and the noise between rounds
     # was larger than the differences measured; the ratios are what this figure is about.
     torch.set_num_threads(args.threads)
@@ -249,23 +276,29 @@ def main() -> None:
         "epochs_per_fit": args.epochs,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
+        "accelerator": args.accelerator,
     }
+    if args.accelerator == "gpu":
+        results["gpu"] = torch.cuda.get_device_name()
     results["workloads"] = {
-        name: measure(name, WORKLOADS[name], args.epochs, args.repeats, work) for name in args.workloads
+        workload: measure(workload, WORKLOADS[workload], args.epochs, args.repeats, work, args.accelerator)
+        for workload in args.workloads
     }
-    path = write_results("step_loop", results)
+    path = write_results(name, results)
+    figure = RESULTS / f"{name}.png"
     plt = pyplot()
     widths = [max(3, len(found["rows"])) for found in results["workloads"].values()]
     fig, axes = plt.subplots(
         1, len(widths), figsize=(1.5 * sum(widths), 5), squeeze=False, gridspec_kw={"width_ratios": widths}
     )
-    for ax, (name, found) in zip(axes[0], results["workloads"].items()):
+    for ax, (workload, found) in zip(axes[0], results["workloads"].items()):
         target = ("target", found["target_ratio_to_bare"] * found["rows"]["bare LightningModule"]["median"])
-        bars(found["rows"], RESULTS / "step_loop.png", name, "seconds per epoch (median, min-max)", target, ax=ax)
-    fig.suptitle("Training loop: time per epoch (train + validate), same net, batches, optimizer")
+        bars(found["rows"], figure, workload, "seconds per epoch (median, min-max)", target, ax=ax)
+    where = results.get("gpu", "CPU")
+    fig.suptitle(f"Training loop on {where}: time per epoch (train + validate), same net, batches, optimizer")
     fig.tight_layout()
-    fig.savefig(RESULTS / "step_loop.png", dpi=110)
-    print(f"wrote {path} and {RESULTS / 'step_loop.png'}")
+    fig.savefig(figure, dpi=110)
+    print(f"wrote {path} and {figure}")
 
 
 if __name__ == "__main__":
