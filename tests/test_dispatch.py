@@ -136,3 +136,21 @@ def test_self_log_does_not_move_its_result_to_where_it_already_is(make_cfg, monk
     wrapped.update(MeanMetric(), 1)  # a logged metric: moved by Lightning when it is elsewhere
     assert logged_values._to(wrapped, torch.device("meta")) is wrapped and len(moves) == 1
     assert wrapped.value.device.type == "meta" and wrapped.value.mean_value.device.type == "meta"
+
+
+def test_the_training_bar_takes_the_count_at_most_refresh_rate_times_a_second_and_at_an_epochs_end(monkeypatch):
+    """Lightning's bar reads the logged values back at every training batch, whatever its refresh_rate (redraws a
+    second): on millisecond steps, a cost the display never shows."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    import project.callbacks.progress as progress
+
+    taken: list[int] = []
+    monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda self, t, m, o, b, i: taken.append(i))
+    monkeypatch.setattr(RichProgressBar, "total_train_batches", property(lambda self: 100))
+    clock = iter([0.0, 0.01, 0.05, 0.1, 0.12, 0.35, 0.36, 0.37] + [0.38] * 92)
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    bar = progress.ProgressBar(refresh_rate=10)
+    for batch_idx in range(100):
+        bar.on_train_batch_end(None, None, None, None, batch_idx)
+    assert taken == [0, 3, 5, 99]  # at 0 s, 0.1 s, 0.35 s (0.1 s apart at least), and the epoch's last batch

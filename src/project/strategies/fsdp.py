@@ -97,7 +97,12 @@ class FSDPStrategy(ModelParallelStrategy):
 
         module = self.lightning_module
         assert self.model is not None and self.accelerator is not None and module is not None
-        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        for loop in (
+            trainer.fit_loop.epoch_loop.val_loop,
+            trainer.validate_loop,
+            trainer.test_loop,
+            trainer.predict_loop,
+        ):
             loop.inference_mode = False
         self.accelerator.setup(trainer)
         self.parallelize(parallelize.net_of(module))
