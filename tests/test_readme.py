@@ -31,6 +31,7 @@ ELSEWHERE = {
     "make test": ".ci/run",
     "make test-fast": ".ci/run",  # a part of make test
     "make lint": ".ci/run",
+    "make test-gpu": "tests/test_gpu.py::test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements",
     "make upgrade": "tests/test_install.py::test_make_knows_install_lock_and_upgrade",
     "make lock": "tests/test_install.py::test_make_knows_install_lock_and_upgrade",
     "python train.py -m hydra/launcher=parallel hydra.launcher.n_jobs=4 hparams_search=digits_optuna": (
