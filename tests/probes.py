@@ -355,3 +355,21 @@ class DiskFullInCheckpointWritesAt(L.Callback):
                 raise OSError(errno.ENOSPC, "No space left on device")
 
             atomic_io.os = types.SimpleNamespace(**{**vars(os), "replace": full})
+
+
+class GradModeProbe(L.Callback):
+    """Makes Lightning choose its evaluation context as on GPUs (its gloo exemption off: torch.inference_mode unless
+    the strategy says otherwise) and records, per rank, whether the test ran under inference_mode:
+    $PROBE_DIR/grad_mode_rank<r>.json."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch.loops.utilities as loops
+
+        loops._distributed_is_initialized = lambda: False
+        self.seen: dict[str, bool] = {}
+
+    def on_test_batch_start(self, trainer, pl_module, *args) -> None:
+        self.seen["test"] = torch.is_inference_mode_enabled()
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        (probe_dir() / f"grad_mode_rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))

@@ -87,8 +87,16 @@ def test_fsdp_evaluates_under_no_grad_not_inference_mode_whatever_the_backend(ma
     cfg = make_cfg("trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", "debug=limit", *net)
     train(cfg)
     (best,) = (tmp_path / "out" / "checkpoints").glob("epoch_*.ckpt")
-    evaluate(
+    tested = json.loads((tmp_path / "out" / "test_metrics.json").read_text())  # the fit's own test: no_grad too
+    evaluated = evaluate(
         make_cfg(
-            "trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", f"ckpt_path={best}", *net[2:], name="eval"
+            "trainer=fsdp",
+            "trainer.devices=1",
+            "trainer.accelerator=cpu",
+            "+trainer.limit_test_batches=2",  # the batches debug=limit tested
+            f"ckpt_path={best}",
+            *net[2:],
+            name="eval",
         )
     )
+    assert evaluated["test/loss"] == pytest.approx(tested["test/loss"], abs=1e-6)

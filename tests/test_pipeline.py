@@ -146,6 +146,20 @@ def test_a_pipeline_checkpoint_evaluates_on_one_device(runs: Path, cli, tmp_path
     assert ours == json.loads((resumed / "test_metrics.json").read_text())
 
 
+@pytest.mark.slow
+def test_the_pipeline_tests_under_no_grad_when_lightning_would_take_inference_mode(cli, tmp_path: Path) -> None:
+    """On GPUs (NCCL) Lightning evaluates under torch.inference_mode; with gloo it takes no_grad, the only context any
+    run here has evaluated the stages in. The probe turns Lightning's gloo exemption off on both ranks."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    cli("train.py", "trainer=pipeline", "trainer.accelerator=cpu", "+callbacks.grad_mode._target_=probes.GradModeProbe",
+        env={"PROBE_DIR": str(probe), "PROJECT_PROFILE": "tiny"})  # fmt: skip
+    (run,) = run_dirs(tmp_path / "logs")
+    assert torch.isfinite(torch.tensor(json.loads((run / "test_metrics.json").read_text())["test/loss"]))
+    for rank in (0, 1):
+        assert json.loads((probe / f"grad_mode_rank{rank}.json").read_text()) == {"test": False}
+
+
 OTHER_SCHEDULES = {
     "gpipe": ["trainer.strategy.schedule=gpipe", "trainer.strategy.micro_batches=1"],
     # 2 pipelines of 4 stages (2 per process) on 4 processes, each on half of every batch: 2 x 32 = 64 samples.

@@ -7,7 +7,7 @@ millisecond steps of a small net (more so on a GPU, where the rest of such a ste
 often than the display shows them, a fast step no longer pays for it, and a slow one is still shown at every batch.
 """
 
-import time
+from time import monotonic
 from typing import Any
 
 import lightning.pytorch as L
@@ -22,7 +22,7 @@ class ProgressBar(RichProgressBar):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = time.monotonic()
+        now = monotonic()
         if now >= self._next_update or batch_idx + 1 == self.total_train_batches:
             self._next_update = now + 1 / max(1, self.refresh_rate)
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

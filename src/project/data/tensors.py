@@ -32,9 +32,11 @@ class TensorDataset(Dataset):
         return self.images[index], self.labels[index]
 
     def __getitems__(self, indices: list[int]) -> tuple[Tensor, Tensor]:
-        # The indices go to a GPU with non_blocking: a blocking copy waits for every kernel queued before it, a
-        # host sync on every step. From pageable memory the copy is staged at once, so the list can go.
-        idx = torch.as_tensor(indices).to(self.labels.device, non_blocking=True)
+        # The indices go to a CUDA GPU with non_blocking: a blocking copy waits for every kernel queued before it, a
+        # host sync on every step. From pageable memory CUDA stages the copy at once, so the list can go; MPS may
+        # still read it later (Lightning copies to MPS blocking for that reason), so there the copy blocks.
+        device = self.labels.device
+        idx = torch.as_tensor(indices).to(device, non_blocking=device.type == "cuda")
         return self.images[idx], self.labels[idx]
 
     def to(self, device: torch.device) -> "TensorDataset":

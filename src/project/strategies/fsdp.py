@@ -24,6 +24,7 @@ from torch.distributed.constants import default_pg_timeout
 from project.launch.ranks import RankWatchingLauncher
 from project.runs.atomic_io import fsync_dir
 from project.strategies import parallelize, rendezvous
+from project.strategies.grad_mode import evaluate_under_no_grad
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -88,22 +89,14 @@ class FSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of
         Lightning's demand that every LightningModule override configure_model. Evaluation runs under no_grad, as
-        Lightning's own FSDP strategy does: FSDP2 cannot gather parameters under torch.inference_mode ("Inference
-        tensors do not track version counter": eval.py of a sharded checkpoint on a GPU). Lightning picks no_grad by
-        itself only for gloo, so CPU runs never showed it."""
+        Lightning's own FSDP strategy does (project.strategies.grad_mode)."""
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
         from lightning.pytorch.trainer.states import TrainerFn
 
         module = self.lightning_module
         assert self.model is not None and self.accelerator is not None and module is not None
-        for loop in (
-            trainer.fit_loop.epoch_loop.val_loop,
-            trainer.validate_loop,
-            trainer.test_loop,
-            trainer.predict_loop,
-        ):
-            loop.inference_mode = False
+        evaluate_under_no_grad(trainer)
         self.accelerator.setup(trainer)
         self.parallelize(parallelize.net_of(module))
         _materialize_distributed_module(self.model, self.root_device)

@@ -36,6 +36,7 @@ from torch.distributed.constants import default_pg_timeout
 from project.errors import UserError
 from project.strategies import parallelize
 from project.strategies import pipeline_stages as st
+from project.strategies.grad_mode import evaluate_under_no_grad
 from project.strategies.pipeline_checkpoints import OneCheckpointFile
 from project.strategies.split import Split
 
@@ -210,6 +211,7 @@ class PipelineStrategy(OneCheckpointFile):
         """DDP's setup without the DDP wrapper: this rank's stages on its device, optimizers over its parameters."""
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
+        evaluate_under_no_grad(trainer)  # as every CPU (gloo) run has evaluated it: project.strategies.grad_mode
         st.refuse(module)
         self.parallelize(parallelize.net_of(module))  # a module whose configure_model did not hand it over
         # No process holds the whole net, so nothing may run its forward on example_input_array (the model
