@@ -275,3 +275,31 @@ def test_an_address_rank_0_cannot_listen_on_is_one_line_naming_what_was_given():
         _listen_on("192.0.2.1", 0, torchrun=True)
     assert "MASTER_PORT" not in str(free.value) and "MASTER_ADDR=192.0.2.1" in str(free.value)
     assert "an address of this machine" in str(free.value)
+
+
+def test_a_one_machine_run_meets_on_a_free_port_below_the_ephemeral_range(monkeypatch):
+    """Lightning's MASTER_PORT is an ephemeral port, unbound until rank 0 listens on it: meanwhile any outgoing
+    connection on the machine may take it as its source port ("Address already in use", seen once in `make test`)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from project.launch import ports, ranks
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    given: list[int] = []
+    launcher = ranks.RankWatchingLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    monkeypatch.setattr(
+        launcher, "_call_children_scripts", lambda: given.append(launcher.cluster_environment.main_port)
+    )
+    assert launcher.launch(lambda: "rank 0's work") == "rank 0's work"
+    (port,) = given  # what the other ranks are started with, and rank 0's store listens on
+    assert ports.LOWEST <= port < ports.ephemeral_start() and os.environ["MASTER_PORT"] == str(port)
+    with socket.create_server(("127.0.0.1", port)):  # free
+        pass
+
+    monkeypatch.setenv("MASTER_PORT", "29517")  # a port the user named is kept
+    launcher = ranks.RankWatchingLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    monkeypatch.setattr(
+        launcher, "_call_children_scripts", lambda: given.append(launcher.cluster_environment.main_port)
+    )
+    launcher.launch(lambda: None)
+    assert given[-1] == 29517

@@ -80,6 +80,10 @@ class RankWatchingLauncher(_SubprocessScriptLauncher):
 
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            if "MASTER_PORT" not in os.environ and self.num_nodes == 1:  # read by Lightning for every rank it starts
+                from project.launch.ports import free_port
+
+                os.environ["MASTER_PORT"] = str(free_port(self.cluster_environment.main_address))
             self._call_children_scripts()
             _Watcher(self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)

@@ -1,0 +1,39 @@
+"""The port where the processes of a one-machine run meet, when the user names none.
+
+Lightning takes MASTER_PORT from the kernel (binding port 0): an ephemeral port, which stays unbound until rank 0's
+store listens on it, after the other ranks have started. Meanwhile the kernel may hand the same port to any outgoing
+connection on the machine as its source port (another run's ranks connecting to their store, say), and rank 0 then
+fails with "Address already in use" (seen once in a `make test` of 525 tests). A free port below the ephemeral range
+is never handed out that way.
+"""
+
+import secrets
+import socket
+from pathlib import Path
+
+LOWEST = 20000  # below: ports that services tend to use
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(address: str, tries: int = 50) -> int:
+    """A port that `address` can listen on now, chosen at random below the ephemeral range; the kernel's choice
+    where that range leaves no room below it."""
+    start = ephemeral_start()
+    for _ in range(tries if start > LOWEST + 1000 else 0):
+        port = LOWEST + secrets.randbelow(start - LOWEST)
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
