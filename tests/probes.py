@@ -192,6 +192,16 @@ class KillDuringSave(L.Callback):
         threading.Thread(target=kill_when_writing, daemon=True).start()
 
 
+class StepLosses(L.Callback):
+    """Every training step's loss, as the step returned it (tests compare strategies step by step)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
 class SyncCounter(L.Callback):
     """Counts, per training step, the collectives (torch.distributed's Python calls: DDP's gradient buckets are not
     among them) and the host syncs (.item(), .tolist(), float(), bool(), int() of a tensor) each rank makes, with

@@ -10,6 +10,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from probes import StepLosses
 from torchmetrics import Metric
 
 from project.data.digits import DigitsDataModule
@@ -17,14 +18,6 @@ from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
 from project.strategies.dp import DataParallelStrategy, _split, simulated_ops
 from project.strategies.pieces import combine
-
-
-class StepLosses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 class LabelSum(Metric):

@@ -15,6 +15,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 from conftest import cli_env, run_dirs
+from probes import StepLosses
 from user_models import ResidualNet
 
 from project.data.digits import DigitsDataModule
@@ -110,14 +111,6 @@ def test_fsdp_on_one_gpu_trains_a_users_net_in_bf16_and_its_shards_evaluate(cli,
     (evaluated,) = run_dirs(tmp_path / "eval" / "logs", task="eval")
     tested = json.loads((run / "test_metrics.json").read_text())["test/loss"]
     assert json.loads((evaluated / "test_metrics.json").read_text())["test/loss"] == pytest.approx(tested, abs=2e-2)
-
-
-class StepLosses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 from conftest import run_dirs
+from probes import StepLosses
 from user_models import Gated, GatedNet, ResidualNet, TutorialCNN
 
 from project.data.digits import DigitsDataModule
@@ -20,14 +21,6 @@ from project.errors import UserError
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
 from project.strategies.pipe import PipeStrategy, clock
-
-
-class StepLosses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 def fit(strategy, devices: int, batch_size: int = 50, max_epochs: int = 2, net=None, channels: int = 1, lr=0.1):
