@@ -28,7 +28,7 @@ test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
 
 test-gpu:  ## on a machine with a CUDA GPU: what CPU runs cannot show (tests/test_gpu.py and the tests that skip without CUDA)
-	$(BIN)/pytest -m gpu -rP
+	$(BIN)/pytest -m gpu -rsP
 
 lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on src/
 	$(BIN)/ruff check .

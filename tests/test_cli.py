@@ -60,6 +60,8 @@ BAD_INPUTS = [
     ("train.py", ["logger.tensorboard.flush_secs=true"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["logger.tensorboard.flush_secs=1e-9"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["logger.tensorboard.flush_secs=inf"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
+    ("train.py", ["callbacks.rich_progress_bar.refresh_rate=abc"], "ProgressBar expects an integer for 'refresh_rate'"),
+    ("train.py", ["callbacks.rich_progress_bar.refresh_rate=-5"], "refresh_rate must be a whole number of redraws"),
     ("train.py", ["paths.output_dir=/proc/x"], "paths.output_dir=/proc/x: cannot be created"),
     ("train.py", ["hydra.run.dir=/proc/x"], "hydra.run.dir=/proc/x: cannot be created"),
     (
@@ -74,6 +76,12 @@ BAD_INPUTS = [
     ),
     ("train.py", ["hydra.run.dir=/proc/self"], "hydra.run.dir=/proc/self: not writable"),
     ("train.py", ["task_name=../../etc"], "task_name='../../etc': a name"),
+    pytest.param(
+        "train.py",
+        ["trainer=gpu"],
+        "trainer.accelerator=gpu: torch sees no GPU here; use trainer=cpu, or trainer.accelerator=auto",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here"),
+    ),
     pytest.param(
         "train.py",
         ["trainer=dp"],

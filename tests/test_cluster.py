@@ -263,16 +263,16 @@ def test_torchrun_restarts_never_meet_the_previous_attempts_addresses(tmp_path):
         assert [out.split()[-1] for out in outs] == ["3.0", "3.0"], (attempt, outs)
 
 
-def test_an_address_rank_0_cannot_listen_on_is_one_line_naming_what_was_given():
+def test_an_address_rank_0_cannotlisten_on_is_one_line_naming_what_was_given():
     """Under torchrun rank 0 hosts its store on a free port of MASTER_ADDR: the line named MASTER_PORT=0, which
     nobody set, and asked for a free port."""
-    from project.strategies.rendezvous import _listen_on
+    from project.strategies.rendezvous import listen_on
 
     with pytest.raises(UserError) as given:
-        _listen_on("192.0.2.1", 29500)  # TEST-NET-1: never an address of this machine
+        listen_on("192.0.2.1", 29500)  # TEST-NET-1: never an address of this machine
     assert "MASTER_ADDR=192.0.2.1 MASTER_PORT=29500" in str(given.value)
     with pytest.raises(UserError) as free:
-        _listen_on("192.0.2.1", 0, torchrun=True)
+        listen_on("192.0.2.1", 0, torchrun=True)
     assert "MASTER_PORT" not in str(free.value) and "MASTER_ADDR=192.0.2.1" in str(free.value)
     assert "an address of this machine" in str(free.value)
 
@@ -303,3 +303,24 @@ def test_a_one_machine_run_meets_on_a_free_port_below_the_ephemeral_range(monkey
     )
     launcher.launch(lambda: None)
     assert given[-1] == 29517
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("port", "expected"),
+    [("abc", "error: MASTER_PORT='abc' is not a port number (1-65535)"), ("", "error: MASTER_PORT='' is not a port"),
+     ("held", "error: cannot listen on MASTER_ADDR=127.0.0.1 MASTER_PORT=")],
+)  # fmt: skip
+def test_a_master_port_rank_0_cannot_use_is_refused_before_any_other_rank_starts(tmp_path, port, expected):
+    """Refused after rank 1 had started, a held port left it waiting on whatever held the port (6 minutes and more,
+    in a hostile test); a value that is no port number ended in Lightning's traceback."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        value = str(held.getsockname()[1]) if port == "held" else port
+        env = {**os.environ, "MASTER_PORT": value, "PROJECT_PROFILE": "tiny"}
+        proc = run_python(
+            [sys.executable, str(REPO / "train.py"), "trainer=ddp", "trainer.accelerator=cpu"], tmp_path, env
+        )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(expected), line
+    assert not (tmp_path / "logs").exists()  # refused before the run began: no run dir, no rank started in it

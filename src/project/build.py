@@ -7,6 +7,7 @@ arguments, never the whole config. A bad key or value ends as a UserError naming
 import difflib
 import inspect
 import logging
+import os
 import types
 import typing
 import warnings
@@ -221,6 +222,24 @@ _AT_LEAST = {
 }
 
 
+def _check_accelerator(cfg: DictConfig) -> None:
+    """A GPU asked for where torch sees none: say what is visible and what to use (Lightning's own words are "No
+    supported gpu backend found!")."""
+    asked = cfg.get("accelerator")
+    if asked not in ("gpu", "cuda"):
+        return
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    if CUDAAccelerator.is_available() or (asked == "gpu" and MPSAccelerator.is_available()):
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    raise UserError(
+        f"trainer.accelerator={asked}: torch sees no GPU here{hidden}; use trainer=cpu, or trainer.accelerator=auto "
+        "(whatever this machine has); `make devices` lists what it has"
+    )
+
+
 def _check_trainer_numbers(cfg: DictConfig) -> None:
     for key, least in _AT_LEAST.items():
         value = cfg.get(key)
@@ -242,6 +261,7 @@ def trainer(
     from project.loggers.logged_values import skip_needless_moves
 
     _check_trainer_numbers(cfg)
+    _check_accelerator(cfg)
 
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends(checks_every_n_steps, run_config)
@@ -347,5 +367,8 @@ def _check_processes(built: Any, launch: Any) -> None:
         processes.check_cpu_processes(built.num_devices, allow)
     if built.num_nodes > 1:
         processes.check_node_meeting(built.num_nodes, type(built.strategy.cluster_environment).__name__)
+    meeting_port = getattr(launcher, "meeting_port", None)  # ddp and fsdp ranks this process starts: where they meet
+    if meeting_port is not None:
+        meeting_port()
     if launch is not None and hasattr(built.strategy, "rendezvous_timeout_s"):
         built.strategy.rendezvous_timeout_s = int(launch.rendezvous_timeout_s)

@@ -15,8 +15,12 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 
 class ProgressBar(RichProgressBar):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, refresh_rate: int = 10, leave: bool = False, **kwargs: Any) -> None:
+        if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
+            raise ValueError(
+                f"refresh_rate must be a whole number of redraws a second (0 hides the bar), got {refresh_rate!r}"
+            )
+        super().__init__(refresh_rate=refresh_rate, leave=leave, **kwargs)
         self._next_update = 0.0
 
     def on_train_batch_end(

@@ -7,9 +7,12 @@ fails with "Address already in use" (seen once in a `make test` of 525 tests). A
 is never handed out that way.
 """
 
+import os
 import secrets
 import socket
 from pathlib import Path
+
+from project.errors import UserError
 
 LOWEST = 20000  # below: ports that services tend to use
 
@@ -37,3 +40,20 @@ def free_port(address: str, tries: int = 50) -> int:
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]
+
+
+def check_master_port(address: str, listen: bool) -> int:
+    """MASTER_PORT as the user set it, checked before any other rank starts: a port number, and (`listen`: one
+    machine, where rank 0 hosts the store here) one that rank 0 can listen on now. A rank started before rank 0
+    found its port taken would be left waiting for it."""
+    value = os.environ["MASTER_PORT"]
+    if not (value.strip().isdigit() and 1 <= int(value) <= 65535):
+        raise UserError(
+            f"MASTER_PORT={value!r} is not a port number (1-65535): give one, or unset MASTER_PORT and a free port "
+            "is chosen"
+        )
+    if listen:
+        from project.strategies.rendezvous import listen_on
+
+        os.close(listen_on(address, int(value))[0])
+    return int(value)

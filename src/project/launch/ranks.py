@@ -7,6 +7,7 @@ names only a peer address. Here rank 0 watches its children every half second; t
 (`train_ddp_process_<n>.log` in the run dir), stops the other ranks, and exits 1.
 """
 
+import logging
 import os
 import signal
 import threading
@@ -17,6 +18,8 @@ from typing import Any
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from project.errors import say
+
+log = logging.getLogger(__name__)
 
 _reported = threading.Event()
 _dead: list[str] = []  # the line, once a child has died
@@ -75,15 +78,33 @@ class _Watcher(threading.Thread):
 class RankWatchingLauncher(_SubprocessScriptLauncher):
     """Lightning's launcher for ddp and fsdp, with our watcher in place of Lightning's 5-second one."""
 
+    _met = False  # meeting_port done
+
+    def meeting_port(self) -> None:
+        """MASTER_PORT, which Lightning hands to every rank it starts: the user's, checked; else, on one machine, a
+        free port of ours (project.launch.ports). Once, before any rank starts (project.build calls it, so that a
+        refusal leaves no run dir); nothing to do in a rank that another process started."""
+        from project.launch import ports
+
+        if self._met or self.cluster_environment.creates_processes_externally:
+            return
+        self._met = True
+        address, one_machine = self.cluster_environment.main_address, self.num_nodes == 1
+        if "MASTER_PORT" in os.environ:
+            port = ports.check_master_port(address, listen=one_machine)
+        elif one_machine:
+            port = ports.free_port(address)
+            os.environ["MASTER_PORT"] = str(port)
+        else:
+            return  # several nodes: checked at start (project.launch.processes)
+        log.info(f"The {self.num_processes * self.num_nodes} ranks meet at {address}:{port}")
+
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
-            if "MASTER_PORT" not in os.environ and self.num_nodes == 1:  # read by Lightning for every rank it starts
-                from project.launch.ports import free_port
-
-                os.environ["MASTER_PORT"] = str(free_port(self.cluster_environment.main_address))
+            self.meeting_port()
             self._call_children_scripts()
             _Watcher(self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)

@@ -24,7 +24,7 @@ from project.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def _listen_on(address: str, port: int, torchrun: bool = False) -> tuple[int, int]:
+def listen_on(address: str, port: int, torchrun: bool = False) -> tuple[int, int]:
     """A listening socket on `address` only, and its port (0: a free one, as under torchrun); the descriptor is
     handed to (and closed by) the TCPStore."""
     try:
@@ -86,7 +86,7 @@ def _store_at_master_port(strategy: Any, timeout_s: int) -> Any:
             f"Node {strategy.node_rank}, rank {rank}: waiting for {world} processes on {nodes} nodes at "
             f"{address}:{port} (gives up after launch.rendezvous_timeout_s={timeout_s})"
         )
-    listen_fd = _listen_on(address, port)[0] if rank == 0 and nodes == 1 else None
+    listen_fd = listen_on(address, port)[0] if rank == 0 and nodes == 1 else None
     try:
         return dist.TCPStore(
             address,
@@ -125,7 +125,7 @@ def _store_of_this_attempt(rank: int, world: int, nodes: int, timeout_s: int) ->
         agent = dist.TCPStore(address, int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
         if rank == 0:
             # one node: MASTER_ADDR only; several: every interface
-            listen_fd, port = _listen_on(address, 0, torchrun=True) if nodes == 1 else (None, 0)
+            listen_fd, port = listen_on(address, 0, torchrun=True) if nodes == 1 else (None, 0)
             store = dist.TCPStore(
                 address, port, world, is_master=True, timeout=wait, wait_for_workers=False, master_listen_fd=listen_fd
             )
