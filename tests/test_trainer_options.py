@@ -90,10 +90,19 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
 
 @pytest.mark.slow
 def test_ddp_spawn_trains_and_tests_on_two_cpu_processes(cli, tmp_path):
+    """The main process learns from rank 0 more than Lightning sends back (the weights and callback_metrics): the
+    best score, for fit_metrics.json and a sweep's objective, and the step the test's scalars are logged at."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     cli("train.py", "trainer.strategy=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2", "debug=limit")
     (run,) = run_dirs(tmp_path / "logs")
     assert json.loads((run / "test_metrics.json").read_text())["status"] == "ok"
     assert (run / "checkpoints" / "last.ckpt").is_file()
+    fit = json.loads((run / "fit_metrics.json").read_text())
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert fit["best/val/acc"] == max(e.value for e in scalars.Scalars("val/acc"))
+    steps = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]  # 3 epochs of 3 batches
+    assert [e.step for e in scalars.Scalars("test/acc")] == [steps]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Lightning's DDP, registered under the same names, with sync_batchnorm that never breaks a CPU run and a
 rendezvous that says whom it waits for (project.strategies.rendezvous)."""
 
+import io
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
     """Lightning's launcher for ddp_spawn and ddp_fork, whose every worker ends its process group before it exits. A
     spawned worker leaves through Python's full exit, whose C++ destructors found gloo's threads still running: a
     rank aborted at the end of about one CPU run in five ("terminate called without an active exception", SIGABRT,
-    and the run failed after its test had finished)."""
+    and the run failed after its test had finished). Rank 0 also sends back its best scores and fit progress."""
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         try:
@@ -76,3 +77,56 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         finally:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
+
+    # Lightning sends back to the main process the weights and callback_metrics only: its trainer then had no best
+    # score (fit_metrics.json without best/val/acc, a sweep without its objective) and logged the test's scalars at
+    # step 0. Rank 0's callback states (the monitor's best, the checkpoints' best scores) and fit progress go too.
+
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+        from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+        from project.callbacks.monitor import Monitor
+
+        extra = super().get_extra_results(trainer)
+        # Only callbacks whose state is rank 0's own: Lightning calls this on rank 0 alone, where a state that
+        # gathers from every rank (the random states of project.callbacks.run_state) would wait for the others.
+        kept = [c for c in trainer.callbacks if isinstance(c, (Monitor, ModelCheckpoint, EarlyStopping))]
+        callbacks = {c.state_key: c.state_dict() for c in kept}
+        state = {"callbacks": callbacks, "progress": _Progress(trainer).state_dict()}
+        buffer = io.BytesIO()
+        torch.save(apply_to_collection(state, torch.Tensor, lambda t: t.cpu()), buffer)
+        extra["trainer_state_bytes"] = buffer.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict
+
+        super().update_main_process_results(trainer, extra)
+        state = torch.load(io.BytesIO(extra["trainer_state_bytes"]), weights_only=False)  # from our own worker
+        _call_callbacks_load_state_dict(trainer, state)
+        _Progress(trainer).load_state_dict(state["progress"])
+
+
+class _Progress:
+    """The counters a trainer reports its epoch and steps from, without the loop's own load_state_dict (which would
+    mark the fit as restarting)."""
+
+    def __init__(self, trainer: Any) -> None:
+        loop = trainer.fit_loop
+        self.parts = {
+            "epoch": loop.epoch_progress,
+            "optimizer_steps": loop.epoch_loop.automatic_optimization.optim_progress,
+            "manual_steps": loop.epoch_loop.manual_optimization.optim_step_progress,
+        }
+        self.epoch_loop = loop.epoch_loop
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {name: part.state_dict() for name, part in self.parts.items()}
+        state["logged_steps"] = self.epoch_loop._batches_that_stepped  # the step loggers write at
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
+        self.epoch_loop._batches_that_stepped = state["logged_steps"]
