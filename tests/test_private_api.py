@@ -30,6 +30,35 @@ def test_lightning_internals_used_by_strategies_launch_and_loggers():
     assert hasattr(ModelParallelStrategy(), "_data_parallel_size")  # fsdp.py: the mesh is all data parallel
     # launch/sweeps.py: which trainers re-run the script for their ranks
     assert "cluster_environment" in inspect.signature(_SubprocessScriptLauncher).parameters
+    # strategies/ddp.py: what a spawned rank 0 sends back (get_extra_results / update_main_process_results), and the
+    # counters and callback states it restores in the main process
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict
+
+    assert callable(_MultiProcessingLauncher.get_extra_results) and callable(_call_callbacks_load_state_dict)
+    assert list(inspect.signature(_MultiProcessingLauncher.update_main_process_results).parameters)[1:] == [
+        "trainer",
+        "extra",
+    ]
+    loop = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False).fit_loop
+    assert hasattr(loop.epoch_loop, "_batches_that_stepped")
+    for progress in (
+        loop.epoch_progress,
+        loop.epoch_loop.automatic_optimization.optim_progress,
+        loop.epoch_loop.manual_optimization.optim_step_progress,
+    ):
+        assert callable(progress.state_dict) and callable(progress.load_state_dict)
+    # strategies/grad_mode.py: the evaluation loops' grad mode is read from their inference_mode when they run
+    from lightning.pytorch.loops import utilities as loop_utilities
+
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert all(hasattr(lp, "inference_mode") for lp in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop))
+    assert "elif self.inference_mode:" in inspect.getsource(loop_utilities._no_grad_context)
+    # launch/ranks.py: the launcher hands MASTER_PORT to the ranks it starts from the cluster environment's main_port
+    assert 'os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)' in inspect.getsource(
+        _SubprocessScriptLauncher._call_children_scripts
+    )
     # loggers/tensorboard.py writes the HParams summary through the writer's file writer
     assert "default_hp_metric" in inspect.signature(TensorBoardLogger).parameters
     # ... and its log_metrics is Lightning's, with one event a call: Lightning's still prefixes the keys and writes a
