@@ -183,3 +183,46 @@ def test_a_killed_worker_fails_its_trials_and_ctrl_c_leaves_the_search_to_resume
     assert interrupted == sorted(int(n) for n in cut.group(1).split(", "))
     queued = sorted(t.user_attrs["retry_of"] for t in trials if t.state.name == "WAITING")
     assert queued == interrupted  # they run again first when the same command continues the study
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+def test_a_kill_9_of_the_sweep_stops_its_workers_jobs_as_a_sigterm_would(tmp_path):
+    """The workers went on training their jobs (then waited minutes for work) after the sweep's process was killed;
+    each now stops its job as a SIGTERM stops a run, with last.ckpt and the line to continue, and exits."""
+    command = [
+        sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=parallel", "model=mlp", "seed=1,2",
+        "trainer.max_epochs=100000", "~callbacks.early_stopping",  # far longer than the test waits
+    ]  # fmt: skip
+    sweep = subprocess.Popen(
+        command, cwd=tmp_path, env=cli_env(PROJECT_PROFILE="tiny"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    multiruns, deadline = tmp_path / "logs" / "train" / "multiruns", time.time() + 120
+    workers: dict[str, int] = {}
+    while len(workers) < 2 or not all(any(multiruns.glob(f"*/{job}/checkpoints/last.ckpt")) for job in workers):
+        assert sweep.poll() is None and time.time() < deadline, "the sweep's two jobs did not start training"
+        for job in ("0", "1"):
+            found = next(multiruns.glob("*"), None)
+            pid = _worker_running(found / job) if found is not None else None
+            if pid is not None:
+                workers[job] = pid
+        time.sleep(0.2)
+    (root,) = multiruns.glob("*")
+    os.kill(sweep.pid, signal.SIGKILL)
+    assert sweep.wait() == -signal.SIGKILL
+    deadline = time.time() + 60
+    while any(_alive(pid) for pid in workers.values()):
+        assert time.time() < deadline, f"workers still running after the sweep's process was killed: {workers}"
+        time.sleep(0.2)
+    for job, pid in workers.items():
+        log = (root / job / "train.log").read_text()
+        assert f"the sweep's process (pid {sweep.pid}) is gone: worker {pid} stops its job" in log
+        assert "stopped by SIGTERM" in log and (root / job / "checkpoints" / "last.ckpt").is_file()
+        assert '"status": "interrupted"' in (root / job / "fit_metrics.json").read_text()
