@@ -77,6 +77,19 @@ def _warm_interpreter() -> Iterator[None]:
     WARM.close()
 
 
+@pytest.fixture(autouse=True)
+def _own_meeting_port() -> Iterator[None]:
+    """A run in this process that starts ranks leaves MASTER_PORT in its environment (Lightning does so): undone after
+    each test, or every later CLI run of this test process would inherit that port as one the user chose."""
+    before = {name: os.environ.get(name) for name in ("MASTER_PORT", "MASTER_ADDR")}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def run_python(
     argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 600, cold: bool = False
 ) -> subprocess.CompletedProcess:

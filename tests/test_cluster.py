@@ -284,7 +284,7 @@ def test_a_one_machine_run_meets_on_a_free_port_below_the_ephemeral_range(monkey
 
     from project.launch import ports, ranks
 
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # conftest restores what the launcher sets
     given: list[int] = []
     launcher = ranks.RankWatchingLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
     monkeypatch.setattr(

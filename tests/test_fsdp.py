@@ -72,31 +72,22 @@ def test_fsdp_with_bf16_mixed_trains_on_two_processes(cli, tmp_path):
     assert 0.5 < json.loads((run / "fit_metrics.json").read_text())["val/acc"] <= 1.0
 
 
-def test_fsdp_evaluates_under_no_grad_not_inference_mode_whatever_the_backend(make_cfg, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_fsdp_evaluates_under_no_grad_not_inference_mode_whatever_the_backend(cli, tmp_path):
     """FSDP2's gathered parameters break under torch.inference_mode ("Inference tensors do not track version
     counter": eval.py of a sharded checkpoint on one H200, NCCL). Lightning evaluates under no_grad with gloo, so on
-    CPU the problem hides: here Lightning is told the backend is not gloo, as on GPUs; a user's own net is trained
-    and its sharded checkpoint evaluated."""
-    import lightning.pytorch.loops.utilities as loops
-
-    from project.tasks.evaluation import evaluate
-    from project.tasks.training import train
-
-    monkeypatch.setattr(loops, "_distributed_is_initialized", lambda: False)  # Lightning's gloo test says no
-    net = ["~model.net", "+model.net._target_=user_models.TutorialCNN", "trusted_packages=[user_models]"]
-    cfg = make_cfg("trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", "debug=limit", *net)
-    train(cfg)
-    (best,) = (tmp_path / "out" / "checkpoints").glob("epoch_*.ckpt")
-    tested = json.loads((tmp_path / "out" / "test_metrics.json").read_text())  # the fit's own test: no_grad too
-    evaluated = evaluate(
-        make_cfg(
-            "trainer=fsdp",
-            "trainer.devices=1",
-            "trainer.accelerator=cpu",
-            "+trainer.limit_test_batches=2",  # the batches debug=limit tested
-            f"ckpt_path={best}",
-            *net[2:],
-            name="eval",
-        )
-    )
-    assert evaluated["test/loss"] == pytest.approx(tested["test/loss"], abs=1e-6)
+    CPU the problem hides: the probe turns that exemption off, as on GPUs; a user's own net is trained and its sharded
+    checkpoint evaluated (in processes of their own: a process group left in this one would outlive the test)."""
+    probe, net = tmp_path / "probe", ["~model.net", "+model.net._target_=user_models.TutorialCNN"]
+    probe.mkdir()
+    trust, grad_mode = "trusted_packages=[user_models]", "+callbacks.grad_mode._target_=probes.GradModeProbe"
+    env = {"PROBE_DIR": str(probe), "PROJECT_PROFILE": "tiny"}
+    cli("train.py", "trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", *net, trust, grad_mode, env=env)
+    (run,) = run_dirs(tmp_path / "logs")
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    cli("eval.py", f"ckpt_path={best}", "trainer=fsdp", "trainer.devices=1", "trainer.accelerator=cpu", trust,
+        grad_mode, env=env, cwd=tmp_path / "eval")  # fmt: skip
+    (evaluated,) = run_dirs(tmp_path / "eval" / "logs", task="eval")
+    tested = json.loads((run / "test_metrics.json").read_text())["test/loss"]
+    assert json.loads((evaluated / "test_metrics.json").read_text())["test/loss"] == pytest.approx(tested, abs=1e-6)
+    assert json.loads((probe / "grad_mode_rank0.json").read_text()) == {"test": False}
