@@ -28,16 +28,16 @@ def ephemeral_start() -> int:
 def free_port(address: str, tries: int = 50) -> int:
     """A port that `address` can listen on now, chosen at random below the ephemeral range; the kernel's choice
     where that range leaves no room below it."""
-    start = ephemeral_start()
+    start, family = ephemeral_start(), socket.AF_INET6 if ":" in address else socket.AF_INET
     for _ in range(tries if start > LOWEST + 1000 else 0):
         port = LOWEST + secrets.randbelow(start - LOWEST)
-        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((address, port))
             except OSError:
                 continue
         return port
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]
 

@@ -7,7 +7,6 @@ what a run shows without opening a browser, for example on a cluster's login nod
 """
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from project.errors import UserError
+from project.launch.ports import free_port
 
 # The classic pages: they draw without WebGL, and take a tag filter in the address.
 PAGES = {"scalars": "#scalars&tagFilter=%5E(train%7Cval%7Ctest)%2F", "hparams": "#hparams", "images": "#images"}
@@ -26,12 +26,6 @@ def _chromium() -> str:
         if found:
             return found
     raise UserError("no Chromium found: install Debian's chromium package (apt install chromium), or another Chrome")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_of(events: Path) -> Path:
@@ -48,7 +42,7 @@ def _newest_run(logs: Path) -> Path:
 
 def shoot(logs: Path, run_dir: Path) -> list[Path]:
     chromium = _chromium()
-    port = _free_port()
+    port = free_port("127.0.0.1")  # not an ephemeral one: those go to outgoing connections too
     tensorboard = Path(sys.executable).with_name("tensorboard")
     server = subprocess.Popen(
         [str(tensorboard), "--logdir", str(logs), "--host", "127.0.0.1", "--port", str(port)],
