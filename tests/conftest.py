@@ -30,6 +30,19 @@ def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
     return sorted(p for p in (log_dir / task / "runs").glob("*") if p.is_dir())
 
 
+def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of a run's TensorBoard event files: {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, dict[int, float]] = {}
+    for path in (run / "tensorboard").rglob("events.*"):
+        events = EventAccumulator(str(path))
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            found.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    return found
+
+
 def dead_pid() -> int:
     """The pid of a process of this machine that has ended (a writer `kill -9` stopped, as far as its files tell)."""
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -3,15 +3,15 @@ Lightning's own callbacks, on a user's net and a user's LightningModule: the ave
 computed here), what the checkpoints hold and what the test runs; a killed run resumes it bit for bit; SWA is
 the mean of the epoch ends it names; TensorBoard gets samples per second; what cannot work is refused."""
 
-import glob
 import os
 from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import run_dirs
+from conftest import run_dirs, tensorboard_scalars
 from test_fault_tolerance import assert_same_weights, train
+from test_throughput import tutorial_cnn_flops
 
 pytestmark = pytest.mark.slow
 
@@ -112,19 +112,20 @@ def test_a_killed_run_resumes_the_average_bit_for_bit_and_not_without_the_callba
     )
 
 
-def test_throughput_is_in_tensorboard_and_no_mfu_on_cpu(unbroken):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values, tags = [], set()
-    for path in glob.glob(str(unbroken[0] / "tensorboard" / "**" / "events.*"), recursive=True):
-        events = EventAccumulator(path)
-        events.Reload()
-        tags |= set(events.Tags()["scalars"])
-        if "train/device/samples_per_sec" in events.Tags()["scalars"]:
-            values += [(e.step, e.value) for e in events.Scalars("train/device/samples_per_sec")]
-    assert values and all(step >= 9 and v > 0 for step, v in values)  # logging steps (0-based) once 10 were timed
-    assert {"train/device/batches_per_sec", "train/samples"} <= tags
-    assert not [t for t in tags if "mfu" in t or "flops" in t]  # a CPU has no known peak, the module no FLOP count
+def test_throughput_and_the_counted_flops_are_in_tensorboard_and_no_mfu_on_cpu(unbroken):
+    scalars = tensorboard_scalars(unbroken[0])
+    samples = scalars["train/device/samples_per_sec"]
+    assert samples and all(step >= 9 and v > 0 for step, v in samples.items())  # logging steps once 10 were timed
+    assert {"train/device/batches_per_sec", "train/samples"} <= set(scalars)
+    # the first batch's FLOPs, counted in the run (the module has no flops_per_batch), are one batch's of the net
+    flops, batches = scalars["train/device/flops_per_sec"], scalars["train/device/batches_per_sec"]
+    assert set(flops) == set(batches)
+    per_batch = tutorial_cnn_flops(32)
+    for step in flops:
+        assert flops[step] == pytest.approx(per_batch * batches[step], rel=1e-5)
+    log = (unbroken[0] / "train.log").read_text()
+    assert f"Throughput: one training batch costs {per_batch:,} FLOPs" in log
+    assert not [t for t in scalars if "mfu" in t]  # a CPU has no known peak
 
 
 def test_swa_on_a_users_module_is_the_mean_of_the_epoch_ends_from_start_epoch_on(tmp_path):

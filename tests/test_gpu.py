@@ -14,7 +14,7 @@ from functools import partial
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import cli_env, run_dirs
+from conftest import cli_env, run_dirs, tensorboard_scalars
 from probes import StepLosses
 from user_models import ResidualNet
 
@@ -190,3 +190,28 @@ def test_a_parallel_sweep_gives_each_worker_its_gpu_and_refuses_more_workers_tha
     refused = cli("train.py", "-m", "hydra/launcher=parallel", f"hydra.launcher.n_jobs={gpus + 1}", "seed=1,2",
                   env=TINY, check=False, cold=True)  # fmt: skip
     assert refused.returncode == 2 and "run at most one job per GPU" in refused.stderr
+
+
+def test_throughput_counts_a_users_cnn_and_gives_mfu_against_the_gpus_peak(cli, tmp_path):
+    """The FLOPs of the first batch, counted on the GPU (project.callbacks.throughput), and MFU over the peak of
+    Lightning's table for this GPU (an H200 under the name CUDA gives it, which Lightning 2.6 does not parse)."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+    from test_throughput import tutorial_cnn_flops
+
+    from project.callbacks.throughput import _peak_lightning_misses
+
+    sizes = ["data.batch_size=64", "trainer.max_epochs=1", "+trainer.limit_train_batches=30", "test=false"]
+    cli("train.py", "trainer=gpu", *TUTORIAL_CNN, "callbacks=[default,throughput]", *sizes, cold=True)
+    (run,) = run_dirs(tmp_path / "logs")
+    scalars = tensorboard_scalars(run)
+    flops, batches, mfu = (scalars[f"train/device/{k}"] for k in ("flops_per_sec", "batches_per_sec", "mfu"))
+    assert set(mfu) == set(flops) == {9, 19, 29}  # every 10 steps once 10 were timed
+    per_batch = tutorial_cnn_flops(64)
+    assert f"Throughput: one training batch costs {per_batch:,} FLOPs" in (run / "train.log").read_text()
+    torch.set_float32_matmul_precision("high")  # the run's float32_matmul_precision: TF32's peak
+    device = torch.device("cuda", 0)
+    peak = _peak_lightning_misses(device, torch.float32) or get_available_flops(device, torch.float32)
+    assert peak
+    for step in mfu:
+        assert flops[step] == pytest.approx(per_batch * batches[step], rel=1e-5)
+        assert 0 < mfu[step] < 1 and mfu[step] == pytest.approx(flops[step] / peak, rel=1e-5)

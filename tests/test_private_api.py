@@ -205,6 +205,15 @@ def test_internals_used_by_the_step_loop_callbacks():
     from tensorboard.summary.writer import record_writer
 
     assert "masked_crc32c(header)" in inspect.getsource(record_writer.RecordWriter.write)
+    # callbacks/throughput.py: the monitor's compute dtype, its peak, and Lightning's table of peaks
+    from lightning.fabric.utilities.throughput import _CUDA_FLOPS
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+    assert callable(_plugin_to_compute_dtype) and "tfloat32" in _CUDA_FLOPS["h200 sxm1"]
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    assert hasattr(monitor, "available_flops") and isinstance(monitor._throughputs, dict)
+    assert "pl_module.flops_per_batch if self._module_has_flops" in inspect.getsource(ThroughputMonitor._update)
 
 
 def test_interpreter_internals_used_at_exit():
