@@ -15,16 +15,16 @@ TINY = {"PROJECT_PROFILE": "tiny"}
 TUTORIAL_CNN = ["~model.net", "+model.net._target_=user_models.TutorialCNN", "trusted_packages=[user_models]"]
 
 
-def trained(cli, where, *overrides: str, env: dict) -> tuple[dict, float]:
-    cli("train.py", *TUTORIAL_CNN, *overrides, env=env, cwd=where)
+def trained(cli, where, *overrides: str, env: dict, cold: bool = False) -> tuple[dict, float]:
+    cli("train.py", *TUTORIAL_CNN, *overrides, env=env, cwd=where, cold=cold)
     (run,) = run_dirs(where / "logs")
     state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     return state, json.loads((run / "test_metrics.json").read_text())["test/loss"]
 
 
-def evaluated(cli, where, run_dir, *overrides: str, env: dict) -> float:
+def evaluated(cli, where, run_dir, *overrides: str, env: dict, cold: bool = False) -> float:
     (best,) = (run_dir / "checkpoints").glob("epoch_*.ckpt")
-    cli("eval.py", f"ckpt_path={best}", *TUTORIAL_CNN[2:], *overrides, env=env, cwd=where)
+    cli("eval.py", f"ckpt_path={best}", *TUTORIAL_CNN[2:], *overrides, env=env, cwd=where, cold=cold)
     (run,) = run_dirs(where / "logs", task="eval")
     return json.loads((run / "test_metrics.json").read_text())["test/loss"]
 
@@ -43,11 +43,12 @@ def test_a_compiled_users_cnn_trains_as_the_eager_one_and_its_checkpoint_evaluat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_inductor_compiles_a_users_cnn_on_the_gpu_and_its_checkpoint_evaluates_uncompiled(cli, tmp_path):
-    compiled, compiled_test = trained(cli, tmp_path / "compiled", "trainer=gpu", "model.compile=true", env=TINY)
-    eager, eager_test = trained(cli, tmp_path / "eager", "trainer=gpu", env=TINY)
+    gpu = {"env": TINY, "cold": True}  # processes of their own, as every CLI run on the GPU in tests/test_gpu.py
+    compiled, compiled_test = trained(cli, tmp_path / "compiled", "trainer=gpu", "model.compile=true", **gpu)
+    eager, eager_test = trained(cli, tmp_path / "eager", "trainer=gpu", **gpu)
     assert compiled.keys() == eager.keys() and not [k for k in compiled if "_orig_mod" in k]
     for key, value in eager.items():  # inductor's fused kernels round differently, a few steps in
         torch.testing.assert_close(compiled[key].float(), value.float(), atol=1e-3, rtol=1e-3, msg=key)
     assert compiled_test == pytest.approx(eager_test, abs=1e-3)
     (run,) = run_dirs(tmp_path / "compiled" / "logs")
-    assert evaluated(cli, tmp_path / "eval", run, "trainer=gpu", env=TINY) == pytest.approx(compiled_test, abs=1e-3)
+    assert evaluated(cli, tmp_path / "eval", run, "trainer=gpu", **gpu) == pytest.approx(compiled_test, abs=1e-3)
