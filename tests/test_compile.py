@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_dirs
+from conftest import run_dirs, tensorboard_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,13 @@ def test_inductor_compiles_a_users_cnn_on_the_gpu_and_its_checkpoint_evaluates_u
     compiled, compiled_test = trained(cli, tmp_path / "compiled", "trainer=gpu", "model.compile=true", **gpu)
     eager, eager_test = trained(cli, tmp_path / "eager", "trainer=gpu", **gpu)
     assert compiled.keys() == eager.keys() and not [k for k in compiled if "_orig_mod" in k]
-    for key, value in eager.items():  # inductor's fused kernels round differently, a few steps in
-        torch.testing.assert_close(compiled[key].float(), value.float(), atol=1e-3, rtol=1e-3, msg=key)
+    # Step by step the same losses, to rounding: inductor's fused kernels round differently. (Not every weight: the
+    # bias of a convolution before BatchNorm gets a gradient of rounding noise alone, which Adam scales to full steps
+    # whose sign differs between any two kernels, as the first run on an H200 showed.)
+    losses = [tensorboard_scalars(run_dirs(tmp_path / w / "logs")[0])["train/loss_step"] for w in ("compiled", "eager")]
+    assert losses[0].keys() == losses[1].keys() == set(range(6))  # the tiny profile's 2 epochs of 3 batches
+    for step, loss in losses[1].items():
+        assert losses[0][step] == pytest.approx(loss, abs=1e-3), step
     assert compiled_test == pytest.approx(eager_test, abs=1e-3)
     (run,) = run_dirs(tmp_path / "compiled" / "logs")
     assert evaluated(cli, tmp_path / "eval", run, "trainer=gpu", **gpu) == pytest.approx(compiled_test, abs=1e-3)
