@@ -187,6 +187,11 @@ def test_internals_used_by_the_step_loop_callbacks():
     assert callable(epoch_loop._broadcast_sigterm_tensor)
     assert hasattr(trainer._accelerator_connector, "cluster_environment")
     assert callable(torch._foreach_norm)
+    # callbacks/checks.py: a stop inside a step's end hooks hands that step's logged values to the loggers itself
+    assert callable(trainer._logger_connector.on_batch_end)
+    assert callable(trainer._logger_connector.update_train_step_metrics)
+    current = epoch_loop.batch_progress.current
+    assert isinstance(current.processed, int) and isinstance(current.completed, int)
     # callbacks/monitor.py and checkpoint.py: where an epoch is, and when each callback reads its metric
     assert isinstance(epoch_loop.batch_progress.current.completed, int)
     assert isinstance(epoch_loop.batch_progress.is_last_batch, bool)

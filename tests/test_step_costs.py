@@ -192,6 +192,31 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
             agreement(ResidualNet(), weight=weight)
 
 
+def test_a_divergence_before_any_check_passed_names_no_last_finite_loss():
+    """The losses between agreements stay on the device: before the first agreement no finite loss is known, and the
+    message said "last finite loss: none yet", as if no step had had one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from project.callbacks.checks import DivergedError, RunChecks
+
+    checks = RunChecks(every_n_steps=20)
+    trainer = SimpleNamespace(
+        global_step=20,
+        current_epoch=0,
+        default_root_dir="unused",
+        checkpoint_callbacks=[],
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=False))),
+    )
+    with pytest.raises(DivergedError) as stopped:
+        checks.on_train_batch_end(trainer, torch.nn.Linear(3, 2), torch.tensor(float("nan")), None, 19)
+    assert str(stopped.value).startswith(
+        "diverged in epoch 0, between steps 0 and 20: the loss stopped being finite; lower the learning rate"
+    )
+
+
 def test_finite_fp16_weights_whose_norm_fp16_cannot_hold_are_not_a_divergence():
     """The weights' check sums their norms: an fp16 norm above 65504 was inf, and a run with sound fp16 weights
     (`trainer.precision=16-true`) stopped as diverged. The norms are taken in float32."""

@@ -184,7 +184,13 @@ def test_a_run_stopped_by_a_signal_before_any_checkpoint_keeps_the_scalars_it_lo
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     (run,) = run_dirs(tmp_path / "logs")
     scalars = EventAccumulator(str(run / "tensorboard")).Reload()
-    assert [e.step for e in scalars.Scalars("train/loss_step")] == [0, 1, 2, 3, 4]
+    # the signal came as step 5 began; that step trained, then the run stopped: its loss is there too, as last.ckpt
+    # has its weights (a resume goes on at step 6)
+    assert [e.step for e in scalars.Scalars("train/loss_step")] == [0, 1, 2, 3, 4, 5]
+    import torch
+
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 6
 
 
 def test_event_checksums_are_tensorboards_own_and_its_reader_accepts_a_runs_records(logs):

@@ -182,12 +182,13 @@ class RunChecks(L.Callback):
     # ------------------------------------------------------------ what happens then
 
     def _diverged(self, trainer: L.Trainer, what: str) -> DivergedError:
-        last = "none yet" if self._last_finite is None else f"{self._last_finite:.4g}"
+        # known at a passed agreement, or as the step's own loss when only its weights went bad; not before
+        last = "" if self._last_finite is None else f" (last finite loss: {self._last_finite:.4g})"
         checkpoints = sorted(_checkpoint_files(trainer), key=lambda p: p.stat().st_mtime)
         kept = f"the last good checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was saved yet"
         return DivergedError(
             f"diverged in epoch {trainer.current_epoch}, between steps {self._agreed_at} and {trainer.global_step}: "
-            f"the {what} stopped being finite (last finite loss: {last}); lower the learning rate "
+            f"the {what} stopped being finite{last}; lower the learning rate "
             f"(model.optimizer.lr) or clip gradients (trainer.gradient_clip_val=1.0); {kept}"
         )
 
@@ -264,6 +265,7 @@ class RunChecks(L.Callback):
         """Saves last.ckpt (`saved`: it was, at the epoch's end), waits until every checkpoint is written, writes the
         metrics so far, says where to continue, exits. `epoch`: the one that ended, when the fit did."""
         path = _last_checkpoint(trainer)
+        _log_the_step_cut_short(trainer)
         if not saved:
             self._save_last(trainer)
         from project.callbacks.checkpoint import wait_for_writes
@@ -277,6 +279,16 @@ class RunChecks(L.Callback):
                 f"{trainer.global_step}: saved {path}; continue with: {_continue_command(path)}"
             )
         raise SystemExit(self._exit_code(trainer, signum))
+
+
+def _log_the_step_cut_short(trainer: L.Trainer) -> None:
+    """A stop inside a training step's end hooks comes before Lightning hands that step's logged values to the
+    loggers: handed over here, with last.ckpt after them, the stopped step's `train/loss_step` is in TensorBoard as
+    every earlier one is (a resume starts at the next step, and would never log it)."""
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current
+    if batches.processed > batches.completed:  # between the step's processing and its completion: its end hooks
+        trainer._logger_connector.on_batch_end()
+        trainer._logger_connector.update_train_step_metrics()
 
 
 def _continue_command(path: str) -> str:
