@@ -179,6 +179,9 @@ def test_a_killed_worker_fails_its_trials_and_ctrl_c_leaves_the_search_to_resume
     for trial in lost:  # a failed job as any other: its error.txt, and its line on stderr
         assert (root / str(trial.number) / "error.txt").read_text().startswith("LostJob: its worker process died")
         assert f"error: sweep job {trial.number}: LostJob: " in stderr
+    # and at the end of the killed job's own log, as a job that records its failure itself writes it
+    last = (root / "0" / "train.log").read_text().splitlines()[-1]
+    assert re.fullmatch(r"\[[\d :,-]+\]\[[\w.]+\]\[ERROR\] - error: sweep job 0: LostJob: its worker process died.*", last)
     interrupted = sorted(t.number for t in trials if t.user_attrs.get("interrupted"))
     assert interrupted == sorted(int(n) for n in cut.group(1).split(", "))
     queued = sorted(t.user_attrs["retry_of"] for t in trials if t.state.name == "WAITING")

@@ -19,6 +19,7 @@ from .config import ERROR_ATTR, ERROR_FILE, PRUNED_ATTR
 from .study import tell
 
 log = logging.getLogger(__name__)
+_JOB_LOG_FORMAT = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")  # Hydra's, in job logs
 
 
 def _number(value: Any) -> Optional[float]:
@@ -30,13 +31,20 @@ def _number(value: Any) -> Optional[float]:
 
 
 def _fail(job_dir: Optional[Path], trial_number: int, line: str, details: str = "") -> str:
-    """Record a failure the job did not record itself (the job's own error.txt is kept as it is)."""
+    """Record a failure the job did not record itself (the job's own error.txt is kept as it is): on stderr, in
+    error.txt, and at the end of the job's log (`<task>.log`), where a job that records its own failure writes it
+    too (project.errors.say): its log, read later, says how it ended."""
     if job_dir is not None and (job_dir / ERROR_FILE).is_file():
         return (job_dir / ERROR_FILE).read_text().splitlines()[0]
-    print(f"error: sweep job {trial_number}: {line}", file=sys.stderr)
+    said = f"error: sweep job {trial_number}: {line}"
+    print(said, file=sys.stderr)
     if job_dir is not None:
         job_dir.mkdir(parents=True, exist_ok=True)
         (job_dir / ERROR_FILE).write_text(f"{line}\n\n{details}")
+        record = logging.LogRecord(__name__, logging.ERROR, __file__, 0, said, None, None)
+        for job_log in job_dir.glob("*.log"):  # none when the job never started
+            with job_log.open("a") as out:
+                out.write(_JOB_LOG_FORMAT.format(record) + "\n")
     return line
 
 
