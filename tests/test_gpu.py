@@ -215,3 +215,26 @@ def test_throughput_counts_a_users_cnn_and_gives_mfu_against_the_gpus_peak(cli, 
     for step in mfu:
         assert flops[step] == pytest.approx(per_batch * batches[step], rel=1e-5)
         assert 0 < mfu[step] < 1 and mfu[step] == pytest.approx(flops[step] / peak, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp16_mixed", "bf16_mixed"])
+def test_a_mixed_precision_run_killed_on_the_gpu_resumes_bit_for_bit(cli, tmp_path, precision):
+    """kill -9 mid-epoch, resume from last.ckpt: the same weights as the unbroken run, to the bit. What only a GPU
+    has: dropout drawn from the CUDA generator (project.callbacks.run_state saves its state) and, in fp16, the
+    gradient scaler's state (the scale, and when it next grows)."""
+    from test_fault_tolerance import RUN, assert_same_weights, weights
+
+    args = ["trainer=gpu", f"precision={precision}", *RUN]  # RUN: the MLP with dropout, deterministic, shuffled
+    cli("train.py", *args, cwd=tmp_path / "unbroken", cold=True)
+    killed = cli("train.py", *args, env={"KILL_AT_STEP": "5"}, cwd=tmp_path / "killed", check=False, cold=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3 and "cuda" in saved["callbacks"]["RunState"]["ranks"][0]
+    if precision == "fp16_mixed":
+        assert saved["MixedPrecision"]["scale"] > 0  # the scaler's state travels with the checkpoint
+    cli("train.py", *args, f"ckpt_path={last}", cwd=tmp_path / "resumed", cold=True)
+    (unbroken,) = run_dirs(tmp_path / "unbroken" / "logs")
+    (resumed,) = run_dirs(tmp_path / "resumed" / "logs")
+    assert_same_weights(weights(resumed), weights(unbroken))
