@@ -148,11 +148,17 @@ class KillAt(L.Callback):
     scheduler's kill -9 or a lost node would, once the checkpoints saved before it are on disk (the writer thread
     finishes a save a few milliseconds after it was made), or at once with $KILL_WITHOUT_WAITING=1 (the newest
     save may then be lost; the one before is whole). $KILL_SIGNAL=<name> sends another signal (SIGTERM: a
-    scheduler's stop). $STEP_SLEEP=<s> slows every step (time to send signals)."""
+    scheduler's stop). $STEP_SLEEP=<s> slows every step (time to send signals). $KILL_AT_HOOK: see below."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         if "PROBE_DIR" in os.environ:
             (probe_dir() / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        """$KILL_AT_HOOK=on_sanity_check_start: the signal comes before training starts (its set-up, a compile)."""
+        if os.environ.get("KILL_AT_HOOK") == "on_sanity_check_start":
+            if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
+                os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if "PROBE_DIR" in os.environ and trainer.global_step == 1:  # each rank's random state, read without drawing

@@ -246,6 +246,21 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_without_a_hang(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_to_one_ddp_rank_before_training_starts_stops_every_rank(tmp_path, rank):
+    """A signal during the set-up (the sanity check, a compile) was agreed on at the start of training by the rank
+    that had it alone: a collective the other rank never made (gloo aborted: "Received data size doesn't match")."""
+    ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
+    env = {"KILL_AT_HOOK": "on_sanity_check_start", "KILL_RANK": str(rank), "KILL_SIGNAL": "SIGTERM"}
+    (tmp_path / "work").mkdir()
+    argv = [sys.executable, str(REPO / "train.py"), *ddp]
+    proc = run_python(argv, tmp_path / "work", cli_env(**env), timeout=120)  # it hung: the ranks wait on each other
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM at epoch 0, step 0: saved ")
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 0
+
+
 def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
     started = time.time()

@@ -181,7 +181,8 @@ def test_a_killed_worker_fails_its_trials_and_ctrl_c_leaves_the_search_to_resume
         assert f"error: sweep job {trial.number}: LostJob: " in stderr
     # and at the end of the killed job's own log, as a job that records its failure itself writes it
     last = (root / "0" / "train.log").read_text().splitlines()[-1]
-    assert re.fullmatch(r"\[[\d :,-]+\]\[[\w.]+\]\[ERROR\] - error: sweep job 0: LostJob: its worker process died.*", last)
+    logged = r"\[[\d :,-]+\]\[[\w.]+\]\[ERROR\] - error: sweep job 0: LostJob: its worker process died.*"
+    assert re.fullmatch(logged, last), last
     interrupted = sorted(t.number for t in trials if t.user_attrs.get("interrupted"))
     assert interrupted == sorted(int(n) for n in cut.group(1).split(", "))
     queued = sorted(t.user_attrs["retry_of"] for t in trials if t.state.name == "WAITING")

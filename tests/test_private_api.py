@@ -187,11 +187,16 @@ def test_internals_used_by_the_step_loop_callbacks():
     assert callable(epoch_loop._broadcast_sigterm_tensor)
     assert hasattr(trainer._accelerator_connector, "cluster_environment")
     assert callable(torch._foreach_norm)
+    # callbacks/checks.py: Lightning's SIGTERM handlers are registered through this method, after the setup hook
+    assert callable(trainer._signal_connector.register_signal_handlers)
+    assert "dist.broadcast" in inspect.getsource(type(trainer._signal_connector)._sigterm_notifier_fn)
     # callbacks/checks.py: a stop inside a step's end hooks hands that step's logged values to the loggers itself
     assert callable(trainer._logger_connector.on_batch_end)
     assert callable(trainer._logger_connector.update_train_step_metrics)
+    from lightning.pytorch.loops.progress import _ProcessedTracker
+
     current = epoch_loop.batch_progress.current
-    assert isinstance(current.processed, int) and isinstance(current.completed, int)
+    assert isinstance(current, _ProcessedTracker) and isinstance(current.processed, int)
     # callbacks/monitor.py and checkpoint.py: where an epoch is, and when each callback reads its metric
     assert isinstance(epoch_loop.batch_progress.current.completed, int)
     assert isinstance(epoch_loop.batch_progress.is_last_batch, bool)

@@ -206,6 +206,18 @@ class RunChecks(L.Callback):
         # Before Lightning registers its own handlers for the stage: these are what it puts back after each stage,
         # so a signal between fit and test is recorded too.
         self._install(trainer)
+        # Lightning's SIGTERM handler, registered after the set-up, broadcasts from inside the handler, on the rank
+        # that got the signal alone: a collective no other rank makes (a hang, or gloo's abort). Ours replace it as
+        # soon as it is registered, not at the next hook.
+        connector = trainer._signal_connector
+        if "register_signal_handlers" not in connector.__dict__:
+            lightnings = connector.register_signal_handlers
+
+            def register_then_ours() -> None:
+                lightnings()
+                self._install(trainer)
+
+            connector.__dict__["register_signal_handlers"] = register_then_ours
 
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
@@ -216,7 +228,9 @@ class RunChecks(L.Callback):
         # Lightning's epoch loop broadcasts rank 0's SIGTERM flag every step (a collective and a host sync per
         # step); SIGTERM is ours now, agreed every every_n_steps, so its flag is never set: the broadcast goes.
         trainer.fit_loop.epoch_loop.__dict__["_broadcast_sigterm_tensor"] = lambda: None
-        if self.signum:  # during the sanity check
+        # A signal during the set-up (a compile, the sanity check): under several ranks all of them agree here, once
+        # a run, whichever rank has it (a collective made by that rank alone would never be matched).
+        if self.signum or trainer.world_size > 1:
             self._agree(trainer, pl_module, signals=True)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -285,7 +299,10 @@ def _log_the_step_cut_short(trainer: L.Trainer) -> None:
     """A stop inside a training step's end hooks comes before Lightning hands that step's logged values to the
     loggers: handed over here, with last.ckpt after them, the stopped step's `train/loss_step` is in TensorBoard as
     every earlier one is (a resume starts at the next step, and would never log it)."""
+    from lightning.pytorch.loops.progress import _ProcessedTracker
+
     batches = trainer.fit_loop.epoch_loop.batch_progress.current
+    assert isinstance(batches, _ProcessedTracker)  # a training epoch's batches are counted as processed too
     if batches.processed > batches.completed:  # between the step's processing and its completion: its end hooks
         trainer._logger_connector.on_batch_end()
         trainer._logger_connector.update_train_step_metrics()
