@@ -57,3 +57,21 @@ def test_inductor_compiles_a_users_cnn_on_the_gpu_and_its_checkpoint_evaluates_u
     assert compiled_test == pytest.approx(eager_test, abs=1e-3)
     (run,) = run_dirs(tmp_path / "compiled" / "logs")
     assert evaluated(cli, tmp_path / "eval", run, "trainer=gpu", **gpu) == pytest.approx(compiled_test, abs=1e-3)
+
+
+def test_a_backend_whose_package_is_missing_is_one_line_naming_it(cli, tmp_path):
+    """torch lists tvm and openxla whether or not their packages are installed; it says so at the first batch."""
+    import importlib.util
+
+    if importlib.util.find_spec("tvm") is not None:
+        pytest.skip("tvm is installed here")
+    proc = cli("train.py", "model.compile=tvm", env=TINY, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: model.compile=tvm: that backend cannot run here (ImportError: Please install apache-tvm")
+    )
+    bad = cli("train.py", "model.compile=relu", env=TINY, check=False)
+    line = bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "TESTING_ONLY" not in line and "inductor" in line and "aot_eager" in line, line

@@ -19,13 +19,14 @@ class Digits(L.LightningDataModule):
         return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def tutorial_cnn_flops(batch: int) -> int:
+def tutorial_cnn_flops(batch: int, backward: bool = True) -> int:
     """One training batch of the user's CNN, counted apart from any run: Lightning's measure_flops over forward,
-    loss and backward (the input needs no gradient, as in training)."""
+    loss and backward (the input needs no gradient, as in training); its forward alone with `backward=False`."""
     from lightning.fabric.utilities.throughput import measure_flops
 
     net, x, y = TutorialCNN(), torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-    return measure_flops(net, lambda: net(x), lambda logits: torch.nn.functional.cross_entropy(logits, y))
+    loss = (lambda logits: torch.nn.functional.cross_entropy(logits, y)) if backward else None
+    return measure_flops(net, lambda: net(x), loss)
 
 
 def fit(module: L.LightningModule, monitor: ThroughputMonitor, **trainer: object) -> None:
@@ -34,9 +35,13 @@ def fit(module: L.LightningModule, monitor: ThroughputMonitor, **trainer: object
     L.Trainer(callbacks=[monitor], **{**options, **trainer}).fit(module, datamodule=Digits())
 
 
-def test_the_first_batch_is_counted_once_and_a_modules_own_count_is_kept():
+def test_the_first_batch_is_counted_once_and_a_modules_own_count_is_kept(caplog):
     counted = LitAutoEncoder()
-    fit(counted, ThroughputMonitor())
+    with caplog.at_level("INFO", logger="project.callbacks.throughput"):
+        fit(counted, ThroughputMonitor())
+    assert "Throughput: 4 training batches, fewer than callbacks.throughput.window_size=10: no rates were logged" in (
+        caplog.text
+    )
     # encoder and decoder: 784-64-3-64-784, forward 2*16*(784*64 + 64*3 + 3*64 + 64*784) FLOPs, backward twice that
     # but for the first layer's input gradient (the images need none)
     forward = 2 * 16 * (784 * 64 + 64 * 3 + 3 * 64 + 64 * 784)
@@ -55,7 +60,7 @@ def test_a_peak_given_in_the_config_gives_mfu_where_lightning_knows_none(tmp_pat
 
     from lightning.pytorch.loggers import CSVLogger
 
-    peak = 1e9
+    peak = 0.5  # any positive number: below 1 too (a whole number of FLOP/s would make it 0, and MFU vanish)
     logger = CSVLogger(tmp_path, name="t")
     fit(LitAutoEncoder(), ThroughputMonitor(window_size=2, peak_flops=peak), logger=logger, log_every_n_steps=1)
     (path,) = tmp_path.glob("t/*/metrics.csv")
@@ -65,10 +70,39 @@ def test_a_peak_given_in_the_config_gives_mfu_where_lightning_knows_none(tmp_pat
         assert float(row["train/device/mfu"]) == pytest.approx(float(row["train/device/flops_per_sec"]) / peak)
 
 
-@pytest.mark.parametrize("peak", [0, -1.0, "fast", True])
+@pytest.mark.parametrize("peak", [0, -1.0, "fast", True, float("inf"), float("nan")])
 def test_a_peak_that_is_not_a_positive_number_is_refused(peak):
     with pytest.raises(UserError, match=r"^callbacks.throughput.peak_flops="):
         ThroughputMonitor(peak_flops=peak)
+
+
+class Validated(KeepsItsNet):
+    """A user's module with a validation step, as most have."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+    test_step = validation_step
+
+
+def test_each_stage_counts_its_own_batches_validation_and_test_their_forward_alone():
+    """Lightning used the training batch's count (forward and backward) for validation and test batches too."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    monitor, module = ThroughputMonitor(), Validated(TutorialCNN())
+    trainer = L.Trainer(
+        callbacks=[monitor], accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, num_sanity_val_steps=1,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=Digits().train_dataloader(), val_dataloaders=Digits().train_dataloader())
+    trainer.test(module, dataloaders=Digits().train_dataloader())
+    assert monitor._counted == {
+        RunningStage.TRAINING: tutorial_cnn_flops(16),
+        RunningStage.VALIDATING: tutorial_cnn_flops(16, backward=False),
+        RunningStage.TESTING: tutorial_cnn_flops(16, backward=False),
+    }
+    assert module.flops_per_batch == tutorial_cnn_flops(16, backward=False)  # the stage that ran last: test
 
 
 class FailsFirstStep(LitAutoEncoder):
@@ -110,3 +144,29 @@ def test_an_h200_by_the_name_cuda_gives_it_gets_the_peak_of_lightnings_table(mon
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert _peak_lightning_misses(cuda, torch.float32) == _CUDA_FLOPS[row]["tfloat32"]
     assert _peak_lightning_misses(torch.device("cpu"), torch.float32) is None
+    # the README: Lightning's Hopper peaks are the datasheets' with sparsity, twice the dense 989 TFLOP/s in bf16
+    assert _CUDA_FLOPS["h200 sxm1"][torch.bfloat16] == pytest.approx(2 * 989e12, rel=0.02)
+
+
+@pytest.mark.slow
+def test_under_pipeline_counting_is_refused_and_the_rates_are_the_pipelines_not_the_stages(cli, tmp_path):
+    """Two processes, one pipeline: every sample goes through both stages, so the run's rate is the device's
+    (Lightning multiplied it by the two processes)."""
+    from conftest import run_dirs, tensorboard_scalars
+
+    base = ["trainer=pipeline", "trainer.accelerator=cpu", "callbacks=[default,throughput]", "test=false"]
+    tiny = {"PROJECT_PROFILE": "tiny"}
+    refused = cli("train.py", *base, env=tiny, check=False, cwd=tmp_path / "refused")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: callbacks.throughput.count_flops: PipelineStrategy computes each stage in a process of its own"
+        )
+    )
+    cli("train.py", *base, "callbacks.throughput.count_flops=false", "callbacks.throughput.window_size=2",
+        env=tiny, cwd=tmp_path / "run")  # fmt: skip
+    (run,) = run_dirs(tmp_path / "run" / "logs")
+    scalars = tensorboard_scalars(run)
+    assert scalars["train/device/samples_per_sec"] and "train/samples_per_sec" not in scalars  # one data stream

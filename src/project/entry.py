@@ -15,7 +15,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.errors import UserError, disk_error_in, exit_with, run_log, user_error_in
+from project.errors import UserError, disk_error_in, exit_with, missing_compile_backend_in, run_log, user_error_in
 from project.launch import sweeps
 from project.launch.sweeps import record_failure
 from project.runs.dirs import remove_if_unused
@@ -203,6 +203,7 @@ def run(task: str, cfg: DictConfig) -> Any:
             disk = disk_error_in(e)
             if disk is not None:
                 exit_with(disk)  # what was written before stays
+            e = missing_compile_backend_in(e) or e
             if not _config_error(e):
                 raise  # a bug: its traceback is the useful report
             remove_if_unused(Path(hc.runtime.output_dir))

@@ -86,6 +86,20 @@ def disk_error_in(error: BaseException) -> UserError | None:
     return None
 
 
+def missing_compile_backend_in(error: BaseException) -> UserError | None:
+    """`model.compile=<backend>` whose package is not installed (tvm, openxla): torch says so only when the first
+    batch compiles, deep in a traceback. One line naming the backend and the way out."""
+    for e in _chain(error):
+        inner = getattr(e, "inner_exception", None)
+        if type(e).__name__ == "BackendCompilerFailed" and isinstance(inner, ImportError):
+            name = getattr(e, "backend_name", "?")
+            return UserError(
+                f"model.compile={name}: that backend cannot run here ({type(inner).__name__}: "
+                f"{' '.join(str(inner).split())}); install what it names, or use model.compile=true (inductor) or false"
+            )
+    return None
+
+
 def _chain(error: BaseException | None, causes_only: bool = False) -> Iterator[BaseException]:
     """`error`, its cause (or context), theirs, ...; each once: a chain may lead back into itself (an error raised
     while another is reported, that one's cause: Lightning's logging on a disk made read-only)."""

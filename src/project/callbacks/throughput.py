@@ -2,11 +2,16 @@
 FLOPs of any model.
 
 Lightning reports FLOPs and MFU only for a LightningModule with a `flops_per_batch` attribute, which users rarely
-write. Here, unless the module has one, the first training batch's forward, loss and backward are counted with
-torch's FlopCounterMode (matrix products, convolutions, attention: the operations that dominate, as
-`lightning.fabric.utilities.throughput.measure_flops` counts them), on rank 0, and that count is the module's
-`flops_per_batch` from then on. It counts what this process's thread runs: dp's replicas and pipe's stages run in
-threads of their own, so there it is refused, and the module's own number is the way.
+write, and uses that one number for every stage, so a validation batch (no backward) counts a training batch's
+FLOPs. Here, unless the module has its own, the first batch of each stage is counted with torch's FlopCounterMode
+(matrix products, convolutions, attention: the operations that dominate, as
+`lightning.fabric.utilities.throughput.measure_flops` counts them), on rank 0: training's forward, loss and backward,
+validation's and test's forward; each stage's batches then count their own. It counts what this process's thread
+runs: dp's replicas and pipe's stages run in threads of their own, and pipeline's stages in other processes, so there
+it is refused, and the module's own number is the way.
+
+The rates for all ranks together (`train/samples_per_sec`, ...) are the device's times the processes that each load
+their own batches (Lightning multiplies by every process, which pipeline's stages are not).
 
 MFU divides by the device's peak from Lightning's table (the datasheets' figures). Lightning 2.6 does not recognise
 an H200 by the name CUDA gives it ("NVIDIA H200"; it looks for "sxm1" or "nvl1"), so that name is looked up here in
@@ -14,6 +19,7 @@ its table; `peak_flops` sets the peak for any other device, or a different figur
 """
 
 import logging
+import math
 import warnings
 from typing import Any
 
@@ -26,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from project.errors import UserError
 
 log = logging.getLogger(__name__)
+_NAMES = {"train": "training", "validate": "validation", "test": "test", "predict": "prediction"}  # stages, in words
 
 
 def samples_in(batch: Any) -> int:
@@ -39,7 +46,7 @@ def samples_in(batch: Any) -> int:
 
 class ThroughputMonitor(_ThroughputMonitor):
     """`batch_size_fn` filled in (a config cannot pass a function); the options spelled out, so a mistyped one is
-    refused by name at start (Lightning's take **kwargs). `count_flops`: count the first batch's FLOPs when the
+    refused by name at start (Lightning's take **kwargs). `count_flops`: count each stage's first batch when the
     module has no `flops_per_batch` of its own; `peak_flops`: one device's peak FLOP/s for MFU, in place of
     Lightning's table (the module docstring)."""
 
@@ -49,12 +56,13 @@ class ThroughputMonitor(_ThroughputMonitor):
         if window_size < 2:
             raise UserError(f"callbacks.throughput.window_size={window_size!r}: at least 2 steps")
         number = isinstance(peak_flops, (int, float)) and not isinstance(peak_flops, bool)
-        if peak_flops is not None and not (number and peak_flops > 0):
+        if peak_flops is not None and not (number and 0 < peak_flops < math.inf):
             raise UserError(f"callbacks.throughput.peak_flops={peak_flops!r}: one device's peak FLOP/s, e.g. 9.89e14")
         super().__init__(batch_size_fn=samples_in, window_size=window_size, separator=separator)
-        self.count_flops = count_flops
-        self.peak_flops = peak_flops
-        self._counter: Any = None  # torch's FlopCounterMode while the first batch runs
+        self.window_size, self.count_flops, self.peak_flops = window_size, count_flops, peak_flops
+        self._counted: dict[str, int] = {}  # stage -> FLOPs of one of its batches, as counted here
+        self._counter: Any = None  # torch's FlopCounterMode while a stage's first batch runs
+        self._users_own = False  # the module came with its own flops_per_batch
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
@@ -65,46 +73,99 @@ class ThroughputMonitor(_ThroughputMonitor):
             if peak:  # Lightning's "FLOPs not found for ..." would be wrong: there is a peak
                 warnings.filterwarnings("ignore", message="FLOPs not found")
             super().setup(trainer, pl_module, stage)
-        if peak:
-            self.available_flops = int(peak)
-            for throughput in self._throughputs.values():
-                throughput.available_flops = self.available_flops
-        if self._counts(pl_module) and stage == "fit":
-            from project.strategies.one_process import OneProcessStrategy
+        loaders = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        for throughput in self._throughputs.values():
+            throughput.world_size = int(loaders.get("num_replicas", 1))  # the processes that load their own batches
+            if peak:
+                throughput.available_flops = peak
+        self._users_own = hasattr(pl_module, "flops_per_batch") and not self._counted
+        if not self.count_flops and not self._users_own:
+            self._module_has_flops = False  # turned off on purpose: no Lightning warning asking for the attribute
+        if self._counts() and stage == "fit":
+            _refuse_where_a_counter_cannot_see(trainer, pl_module)
 
-            if isinstance(trainer.strategy, OneProcessStrategy):
-                name = type(trainer.strategy).__name__
-                raise UserError(
-                    f"callbacks.throughput.count_flops: {name} computes in threads of its own, which a FLOP counter "
-                    f"does not see; give {type(pl_module).__name__} a flops_per_batch attribute (FLOPs of one "
-                    "batch's forward and backward), or set callbacks.throughput.count_flops=false"
-                )
+    def _counts(self) -> bool:
+        return self.count_flops and not self._users_own
 
-    def _counts(self, pl_module: L.LightningModule) -> bool:
-        return self.count_flops and not hasattr(pl_module, "flops_per_batch")
-
-    @rank_zero_only
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-        if self._counts(pl_module) and self._counter is None:
+    def _start_counting(self, trainer: L.Trainer) -> None:
+        stage = trainer.state.stage
+        if self._counts() and self._counter is None and stage not in self._counted and not trainer.sanity_checking:
             from torch.utils.flop_counter import FlopCounterMode
 
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
 
-    @rank_zero_only
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+    def _counts_for(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Before Lightning reads `flops_per_batch` for a batch: this stage's count (counted now if it is its first)."""
+        if not self._counts():
+            return
+        stage = trainer.state.stage
+        assert stage is not None
         if self._counter is not None:
             flops = self._stop_counting()
+            self._counted[stage] = flops
             if flops:
-                setattr(pl_module, "flops_per_batch", flops)  # what Lightning reads (the module docstring)
-                log.info(f"Throughput: one training batch costs {flops:,} FLOPs (forward and backward, counted once)")
+                what = "forward and backward" if stage == "train" else "forward"
+                log.info(f"Throughput: one {_NAMES[stage.value]} batch costs {flops:,} FLOPs ({what}, counted once)")
             else:
-                self.count_flops = False
                 log.warning(
-                    "Throughput: no FLOPs counted in the first training batch (no matrix product or convolution ran "
-                    f"in this thread); give {type(pl_module).__name__} a flops_per_batch attribute for FLOPs and MFU"
+                    f"Throughput: no FLOPs counted in the first {_NAMES[stage.value]} batch (no matrix product or "
+                    f"convolution ran in this thread); give {type(pl_module).__name__} a flops_per_batch attribute"
                 )
+        flops = self._counted.get(stage, 0)
+        if flops:
+            setattr(pl_module, "flops_per_batch", flops)  # what Lightning reads (the module docstring)
+        elif hasattr(pl_module, "flops_per_batch"):
+            delattr(pl_module, "flops_per_batch")  # another stage's count is not this one's
+        self._module_has_flops = bool(flops)  # Lightning's once-a-run look, for this stage (no warning: said above)
+
+    @rank_zero_only
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._start_counting(trainer)
+
+    @rank_zero_only
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._start_counting(trainer)
+
+    @rank_zero_only
+    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._start_counting(trainer)
+
+    @rank_zero_only
+    def on_predict_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._start_counting(trainer)
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._counts_for(trainer, pl_module)
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+
+    @rank_zero_only
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+        if not trainer.sanity_checking:
+            self._counts_for(trainer, pl_module)
+        super().on_validation_batch_end(trainer, pl_module, *args, **kw)
+
+    @rank_zero_only
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._counts_for(trainer, pl_module)
+        super().on_test_batch_end(trainer, pl_module, *args, **kwargs)
+
+    @rank_zero_only
+    def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+        self._counts_for(trainer, pl_module)
+        super().on_predict_batch_end(trainer, pl_module, *args, **kw)
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.pytorch.trainer.states import RunningStage
+
+        batches = self._batches.get(RunningStage.TRAINING, 0)
+        if 0 < batches < self.window_size:
+            log.info(
+                f"Throughput: {batches} training batches, fewer than callbacks.throughput.window_size="
+                f"{self.window_size}: no rates were logged"
+            )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self._counter is not None:  # the mode must not outlive the batch it counted
@@ -114,6 +175,23 @@ class ThroughputMonitor(_ThroughputMonitor):
         counter, self._counter = self._counter, None
         counter.__exit__(None, None, None)
         return int(counter.get_total_flops())
+
+
+def _refuse_where_a_counter_cannot_see(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    from project.strategies.one_process import OneProcessStrategy
+    from project.strategies.pipeline import PipelineStrategy
+
+    name = type(trainer.strategy).__name__
+    if isinstance(trainer.strategy, OneProcessStrategy):
+        where = f"{name} computes in threads of its own, which a FLOP counter does not see"
+    elif isinstance(trainer.strategy, PipelineStrategy):
+        where = f"{name} computes each stage in a process of its own; rank 0 would count its own stage alone"
+    else:
+        return
+    raise UserError(
+        f"callbacks.throughput.count_flops: {where}; give {type(pl_module).__name__} a flops_per_batch attribute "
+        "(FLOPs of one batch's forward and backward), or set callbacks.throughput.count_flops=false"
+    )
 
 
 def _peak_lightning_misses(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -34,9 +34,10 @@ class ImageClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
-            backends = ", ".join(torch.compiler.list_backends(exclude_tags=()))
+            backends = ", ".join(torch.compiler.list_backends())  # not torch's own test and debugging backends
             raise ValueError(
-                f"compile={compile!r} is not a torch.compile backend; use true, false or one of {backends}"
+                f"compile={compile!r} is not a torch.compile backend; use true, false or one of {backends} (for "
+                "debugging: aot_eager, eager)"
             )
         self.net = net
         self.num_classes = num_classes
