@@ -154,11 +154,17 @@ class KillAt(L.Callback):
         if "PROBE_DIR" in os.environ:
             (probe_dir() / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
 
+    def _kill_at_hook(self, trainer, hook: str) -> None:
+        """$KILL_AT_HOOK=on_fit_start|on_sanity_check_start: the signal comes before training starts (its set-up, a
+        compile); a resumed run mid-epoch has no sanity check."""
+        if os.environ.get("KILL_AT_HOOK") == hook and trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
+            os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._kill_at_hook(trainer, "on_fit_start")
+
     def on_sanity_check_start(self, trainer, pl_module) -> None:
-        """$KILL_AT_HOOK=on_sanity_check_start: the signal comes before training starts (its set-up, a compile)."""
-        if os.environ.get("KILL_AT_HOOK") == "on_sanity_check_start":
-            if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
-                os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
+        self._kill_at_hook(trainer, "on_sanity_check_start")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if "PROBE_DIR" in os.environ and trainer.global_step == 1:  # each rank's random state, read without drawing

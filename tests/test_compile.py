@@ -72,6 +72,10 @@ def test_a_backend_whose_package_is_missing_is_one_line_naming_it(cli, tmp_path)
         .splitlines()[-1]
         .startswith("error: model.compile=tvm: that backend cannot run here (ImportError: Please install apache-tvm")
     )
+    swept = cli("train.py", "-m", "model.compile=tvm", env=TINY, check=False, cwd=tmp_path / "sweep")  # a job's
+    assert swept.returncode == 2  # failure: the same line in its error.txt
+    (job,) = (tmp_path / "sweep" / "logs" / "train" / "multiruns").glob("*/0")
+    assert (job / "error.txt").read_text().startswith("model.compile=tvm: that backend cannot run here")
     bad = cli("train.py", "model.compile=relu", env=TINY, check=False)
     line = bad.stderr.strip().splitlines()[-1]
     assert bad.returncode == 2 and "TESTING_ONLY" not in line and "inductor" in line and "aot_eager" in line, line

@@ -261,6 +261,19 @@ def test_sigterm_to_one_ddp_rank_before_training_starts_stops_every_rank(tmp_pat
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 0
 
 
+def test_a_resumed_run_signalled_before_training_starts_stops_with_its_checkpoint(tmp_path):
+    """A last.ckpt saved inside a step's end hooks resumes with that step processed but not completed: a stop at the
+    start of training took it for a step cut short, and Lightning's logger connector failed an assertion."""
+    killed = train(tmp_path / "killed", *RUN, env={"KILL_AT_STEP": "5"}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    env = {"KILL_AT_HOOK": "on_fit_start", "KILL_SIGNAL": "SIGTERM"}
+    last = run / "checkpoints" / "last.ckpt"
+    stopped = train(tmp_path / "resumed", *RUN, f"ckpt_path={last}", env=env, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM at epoch 0, step 3: saved ")
+
+
 def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
     started = time.time()

@@ -208,9 +208,13 @@ def test_throughput_counts_a_users_cnn_and_gives_mfu_against_the_gpus_peak(cli, 
     assert set(mfu) == set(flops) == {9, 19, 29}  # every 10 steps once 10 were timed
     per_batch = tutorial_cnn_flops(64)
     assert f"Throughput: one training batch costs {per_batch:,} FLOPs" in (run / "train.log").read_text()
+    before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # the run's float32_matmul_precision: TF32's peak
-    device = torch.device("cuda", 0)
-    peak = _peak_lightning_misses(device, torch.float32) or get_available_flops(device, torch.float32)
+    try:
+        device = torch.device("cuda", 0)
+        peak = _peak_lightning_misses(device, torch.float32) or get_available_flops(device, torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(before)
     assert peak
     for step in mfu:
         assert flops[step] == pytest.approx(per_batch * batches[step], rel=1e-5)

@@ -193,10 +193,11 @@ def test_internals_used_by_the_step_loop_callbacks():
     # callbacks/checks.py: a stop inside a step's end hooks hands that step's logged values to the loggers itself
     assert callable(trainer._logger_connector.on_batch_end)
     assert callable(trainer._logger_connector.update_train_step_metrics)
-    from lightning.pytorch.loops.progress import _ProcessedTracker
-
-    current = epoch_loop.batch_progress.current
-    assert isinstance(current, _ProcessedTracker) and isinstance(current.processed, int)
+    # callbacks/throughput.py: a net that Module.compile compiled
+    net = torch.nn.Linear(1, 1)
+    assert net._compiled_call_impl is None
+    net.compile(backend="eager")
+    assert net._compiled_call_impl is not None
     # callbacks/monitor.py and checkpoint.py: where an epoch is, and when each callback reads its metric
     assert isinstance(epoch_loop.batch_progress.current.completed, int)
     assert isinstance(epoch_loop.batch_progress.is_last_batch, bool)

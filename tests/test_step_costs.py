@@ -210,8 +210,12 @@ def test_a_divergence_before_any_check_passed_names_no_last_finite_loss():
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=False))),
     )
+    net = torch.nn.Linear(3, 2)
+    trainer.global_step = 0
+    checks._agree(trainer, net, signals=True)  # the one at the start of training (every rank's, under ddp)
+    trainer.global_step = 20
     with pytest.raises(DivergedError) as stopped:
-        checks.on_train_batch_end(trainer, torch.nn.Linear(3, 2), torch.tensor(float("nan")), None, 19)
+        checks.on_train_batch_end(trainer, net, torch.tensor(float("nan")), None, 19)
     assert str(stopped.value).startswith(
         "diverged in epoch 0, between steps 0 and 20: the loss stopped being finite; lower the learning rate"
     )

@@ -105,6 +105,44 @@ def test_each_stage_counts_its_own_batches_validation_and_test_their_forward_alo
     assert module.flops_per_batch == tutorial_cnn_flops(16, backward=False)  # the stage that ran last: test
 
 
+class SetsItsOwnInSetup(Validated):
+    """Lightning's documented way: the count set in the module's own setup (which runs after the callbacks')."""
+
+    def setup(self, stage):
+        self.flops_per_batch = 777
+
+
+def test_a_count_the_module_sets_in_its_setup_is_kept_and_not_refused_where_threads_compute():
+    import project.strategies  # noqa: F401  registers pipe
+
+    for strategy in ("auto", "pipe"):
+        module, monitor = SetsItsOwnInSetup(TutorialCNN()), ThroughputMonitor()
+        fit(module, monitor, strategy=strategy, devices=1)
+        assert module.flops_per_batch == 777 and monitor._counted == {}
+
+
+def test_an_evaluation_where_threads_compute_is_refused_too():
+    import project.strategies  # noqa: F401  registers pipe
+
+    trainer = L.Trainer(callbacks=[ThroughputMonitor()], accelerator="cpu", strategy="pipe", devices=1, logger=False)
+    with pytest.raises(UserError, match=r"^callbacks.throughput.count_flops: PipeStrategy computes in threads"):
+        trainer.test(Validated(TutorialCNN()), dataloaders=Digits().train_dataloader())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_nets_window_starts_after_the_batch_that_compiles(compiled):
+    """torch does not compile under a FLOP counter: the counted first batch runs eager, the second compiles. Its
+    time (seconds) stays out of the rates: the window starts after it."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    module, monitor = KeepsItsNet(TutorialCNN()), ThroughputMonitor()
+    if compiled:
+        module.net.compile(backend="aot_eager")
+    fit(module, monitor)
+    assert monitor._counted[RunningStage.TRAINING] == tutorial_cnn_flops(16)
+    assert list(monitor._throughputs[RunningStage.TRAINING]._batches) == ([2, 3, 4] if compiled else [1, 2, 3, 4])
+
+
 class FailsFirstStep(LitAutoEncoder):
     def training_step(self, batch, batch_idx):
         self.encoder(batch[0].flatten(1))  # counted work, then the user's bug

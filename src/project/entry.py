@@ -194,6 +194,7 @@ def run(task: str, cfg: DictConfig) -> Any:
         except Exception as e:
             if full_error():
                 raise
+            e = missing_compile_backend_in(e) or e
             if hc.mode == RunMode.MULTIRUN:
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None
@@ -203,7 +204,6 @@ def run(task: str, cfg: DictConfig) -> Any:
             disk = disk_error_in(e)
             if disk is not None:
                 exit_with(disk)  # what was written before stays
-            e = missing_compile_backend_in(e) or e
             if not _config_error(e):
                 raise  # a bug: its traceback is the useful report
             remove_if_unused(Path(hc.runtime.output_dir))

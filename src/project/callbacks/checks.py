@@ -86,6 +86,7 @@ class RunChecks(L.Callback):
         self._agreed_losses: torch.Tensor | None | bool = False  # the loss sum then (False: no agreement yet)
         self._agreed_versions = -1  # and the weights' in-place versions
         self._stopping = False
+        self._in_step = False  # agreeing inside a training step's end hooks
         self._signalled: tuple[int, int] | None = None  # a signal found at an epoch's end, and that epoch
         self._trained = False
         self._test_batches = 0
@@ -107,7 +108,11 @@ class RunChecks(L.Callback):
             # On an epoch's last batch a signal waits for the epoch's end (its validation and checkpoints, a few
             # moments): a last.ckpt saved before them would resume past that epoch's validation.
             last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-            self._agree(trainer, pl_module, signals=not last)
+            self._in_step = True  # a stop here cuts this step's end hooks short (_log_the_step_cut_short)
+            try:
+                self._agree(trainer, pl_module, signals=not last)
+            finally:
+                self._in_step = False
 
     # ------------------------------------------------------------ where the ranks agree
 
@@ -141,7 +146,9 @@ class RunChecks(L.Callback):
             if math.isfinite(last_loss):  # the step's own loss, when only what it did to the weights is not finite
                 self._last_finite = last_loss
             raise self._diverged(trainer, "loss" if bad_loss else "weights")
-        self._agreed_at, self._last_finite = trainer.global_step, last_loss  # the largest over the ranks
+        self._agreed_at = trainer.global_step
+        if self._last is not None:  # before any step (the agreement at the start of training) no loss is known
+            self._last_finite = last_loss  # the largest over the ranks
         self._agreed_losses, self._agreed_versions = self._losses, _versions(pl_module)
         if signum_found and at_epoch_end:
             # Every rank found it. last.ckpt is saved now, as at any stop: this is where a stop saved before, and the
@@ -279,7 +286,8 @@ class RunChecks(L.Callback):
         """Saves last.ckpt (`saved`: it was, at the epoch's end), waits until every checkpoint is written, writes the
         metrics so far, says where to continue, exits. `epoch`: the one that ended, when the fit did."""
         path = _last_checkpoint(trainer)
-        _log_the_step_cut_short(trainer)
+        if self._in_step:
+            _log_the_step_cut_short(trainer)
         if not saved:
             self._save_last(trainer)
         from project.callbacks.checkpoint import wait_for_writes
@@ -296,16 +304,12 @@ class RunChecks(L.Callback):
 
 
 def _log_the_step_cut_short(trainer: L.Trainer) -> None:
-    """A stop inside a training step's end hooks comes before Lightning hands that step's logged values to the
-    loggers: handed over here, with last.ckpt after them, the stopped step's `train/loss_step` is in TensorBoard as
-    every earlier one is (a resume starts at the next step, and would never log it)."""
-    from lightning.pytorch.loops.progress import _ProcessedTracker
-
-    batches = trainer.fit_loop.epoch_loop.batch_progress.current
-    assert isinstance(batches, _ProcessedTracker)  # a training epoch's batches are counted as processed too
-    if batches.processed > batches.completed:  # between the step's processing and its completion: its end hooks
-        trainer._logger_connector.on_batch_end()
-        trainer._logger_connector.update_train_step_metrics()
+    """A stop inside a training step's end hooks (and only there: elsewhere no step's values are waiting) comes
+    before Lightning hands that step's logged values to the loggers: handed over here, with last.ckpt after them, the
+    stopped step's `train/loss_step` is in TensorBoard as every earlier one is (a resume starts at the next step,
+    and would never log it)."""
+    trainer._logger_connector.on_batch_end()
+    trainer._logger_connector.update_train_step_metrics()
 
 
 def _continue_command(path: str) -> str:

@@ -62,7 +62,9 @@ class ThroughputMonitor(_ThroughputMonitor):
         self.window_size, self.count_flops, self.peak_flops = window_size, count_flops, peak_flops
         self._counted: dict[str, int] = {}  # stage -> FLOPs of one of its batches, as counted here
         self._counter: Any = None  # torch's FlopCounterMode while a stage's first batch runs
+        self._counting: Any = None  # and that stage
         self._users_own = False  # the module came with its own flops_per_batch
+        self._restart_window: Any = None  # a stage whose window restarts at its next batch (below)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
@@ -78,32 +80,59 @@ class ThroughputMonitor(_ThroughputMonitor):
             throughput.world_size = int(loaders.get("num_replicas", 1))  # the processes that load their own batches
             if peak:
                 throughput.available_flops = peak
+
+    def _begin(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """At a fit's or an evaluation's start, after the module's own setup (where Lightning's example sets its
+        `flops_per_batch`), on every rank: whose count it is, and whether this strategy lets it be counted."""
         self._users_own = hasattr(pl_module, "flops_per_batch") and not self._counted
         if not self.count_flops and not self._users_own:
             self._module_has_flops = False  # turned off on purpose: no Lightning warning asking for the attribute
-        if self._counts() and stage == "fit":
+        if self._counts():
             _refuse_where_a_counter_cannot_see(trainer, pl_module)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._begin(trainer, pl_module)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != "fit":  # inside a fit: decided at its start
+            self._begin(trainer, pl_module)
+        super().on_validation_start(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._begin(trainer, pl_module)
+        super().on_test_start(trainer, pl_module)
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._begin(trainer, pl_module)
+        super().on_predict_start(trainer, pl_module)
 
     def _counts(self) -> bool:
         return self.count_flops and not self._users_own
 
     def _start_counting(self, trainer: L.Trainer) -> None:
         stage = trainer.state.stage
+        if self._counter is not None and self._counting != stage:  # a batch that never ended (a skipped epoch)
+            self._stop_counting()
         if self._counts() and self._counter is None and stage not in self._counted and not trainer.sanity_checking:
             from torch.utils.flop_counter import FlopCounterMode
 
-            self._counter = FlopCounterMode(display=False)
+            self._counter, self._counting = FlopCounterMode(display=False), stage
             self._counter.__enter__()
 
     def _counts_for(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before Lightning reads `flops_per_batch` for a batch: this stage's count (counted now if it is its first)."""
-        if not self._counts():
-            return
         stage = trainer.state.stage
         assert stage is not None
-        if self._counter is not None:
+        if self._restart_window == stage:
+            self._restart_window = None
+            self._throughputs[stage].reset()
+        if not self._counts():
+            return
+        if self._counter is not None and self._counting == stage:
             flops = self._stop_counting()
             self._counted[stage] = flops
+            if _compiled(pl_module):  # torch does not compile under a counter: the next batch compiles, untimed
+                self._restart_window = stage
             if flops:
                 what = "forward and backward" if stage == "train" else "forward"
                 log.info(f"Throughput: one {_NAMES[stage.value]} batch costs {flops:,} FLOPs ({what}, counted once)")
@@ -172,9 +201,14 @@ class ThroughputMonitor(_ThroughputMonitor):
             self._stop_counting()
 
     def _stop_counting(self) -> int:
-        counter, self._counter = self._counter, None
+        counter, self._counter, self._counting = self._counter, None, None
         counter.__exit__(None, None, None)
         return int(counter.get_total_flops())
+
+
+def _compiled(pl_module: L.LightningModule) -> bool:
+    """Whether a module of it runs compiled (Module.compile, as model.compile does)."""
+    return any(getattr(module, "_compiled_call_impl", None) is not None for module in pl_module.modules())
 
 
 def _refuse_where_a_counter_cannot_see(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -190,7 +224,8 @@ def _refuse_where_a_counter_cannot_see(trainer: L.Trainer, pl_module: L.Lightnin
         return
     raise UserError(
         f"callbacks.throughput.count_flops: {where}; give {type(pl_module).__name__} a flops_per_batch attribute "
-        "(FLOPs of one batch's forward and backward), or set callbacks.throughput.count_flops=false"
+        "(the FLOPs one device computes for a batch: its replica's or stage's forward and backward), or set "
+        "callbacks.throughput.count_flops=false"
     )
 
 
