@@ -395,3 +395,16 @@ class GradModeProbe(L.Callback):
 
     def on_test_end(self, trainer, pl_module) -> None:
         (probe_dir() / f"grad_mode_rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+class SignalHandlers(L.Callback):
+    """Writes $PROBE_DIR/handlers_<job>.txt at setup, before the template's own are installed: who handles SIGINT
+    and SIGTERM as a sweep's job starts (what the job before it left)."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if stage == "fit":
+            found = [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)]
+            names = [getattr(handler, "__qualname__", repr(handler)) for handler in found]
+            (probe_dir() / f"handlers_{HydraConfig.get().job.num}.txt").write_text(" ".join(names))

@@ -274,6 +274,24 @@ def test_a_resumed_run_signalled_before_training_starts_stops_with_its_checkpoin
     assert stopped.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM at epoch 0, step 3: saved ")
 
 
+def test_the_jobs_of_a_sequential_sweep_start_with_the_signal_handlers_the_sweep_had(tmp_path):
+    """A run's handlers only record a signal for it to act on: the job after it had them still, so a Ctrl-C before
+    its own were installed went to a run that was over, and was lost."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    args = [
+        "-m",
+        "seed=1,2",
+        "model=mlp",
+        "test=false",
+        "logger=none",
+        "+callbacks.handlers._target_=probes.SignalHandlers",
+    ]
+    train(tmp_path / "work", *args, env={"PROJECT_PROFILE": "tiny", "PROBE_DIR": str(probe)})
+    first, second = ((probe / f"handlers_{job}.txt").read_text() for job in (0, 1))
+    assert first == second and "RunChecks" not in second, (first, second)
+
+
 def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
     started = time.time()

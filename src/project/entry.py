@@ -1,12 +1,13 @@
 """What every entry point does around its task: errors as one line, and no half-written output."""
 
+import contextlib
 import difflib
 import logging
 import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,27 @@ def _task(name: str) -> Callable[[DictConfig], Any]:
     return getattr(importlib.import_module(module), function)
 
 
+@contextlib.contextmanager
+def _signal_handlers_put_back() -> Iterator[None]:
+    """The signal handlers as they were before the task: a run's own (project.callbacks.checks: record, act at the
+    next agreement) outlive its trainer, which puts back the ones it found, theirs. The next job of a sequential
+    sweep, or the sweep after its last job, would have Ctrl-C recorded for a run that is over, and ignored."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+    signals = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
+    before = {signum: signal.getsignal(signum) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            if handler is not None:  # None: set outside Python, cannot be put back from here
+                signal.signal(signum, handler)
+
+
 def run(task: str, cfg: DictConfig) -> Any:
     """Call the task (`module:function`) on `cfg`. A mistake leaves no run dir behind and becomes one
     `error: ...` line on stderr with exit code 2; config mistakes are found before torch is even imported. In a
@@ -185,7 +207,7 @@ def run(task: str, cfg: DictConfig) -> Any:
 
     _ignore_known_warnings()
     hc = HydraConfig.get()
-    with run_log():  # the line that ends the run also goes to its log file
+    with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
         try:
             check_config(cfg)
             function = _task(task)
