@@ -103,6 +103,10 @@ def test_ddp_spawn_trains_and_tests_on_two_cpu_processes(cli, tmp_path):
     assert fit["best/val/acc"] == max(e.value for e in scalars.Scalars("val/acc"))
     steps = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]  # 3 epochs of 3 batches
     assert [e.step for e in scalars.Scalars("test/acc")] == [steps]
+    # the workers log where the main process does: rank 0 into the run's log, rank 1 beside it (they logged nowhere)
+    assert "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in (run / "train.log").read_text()
+    assert "`Trainer.fit` stopped: `max_epochs=3` reached." in (run / "train.log").read_text()
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in (run / "train_ddp_process_1.log").read_text()
 
 
 @pytest.mark.slow

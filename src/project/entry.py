@@ -128,7 +128,7 @@ def _leave(code: Any) -> None:
         os._exit(status)
 
 
-def _one_console_output() -> None:
+def one_console_output() -> None:
     """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
     prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
     `error:` lines belong."""
@@ -211,7 +211,7 @@ def run(task: str, cfg: DictConfig) -> Any:
         try:
             check_config(cfg)
             function = _task(task)
-            _one_console_output()
+            one_console_output()
             return function(cfg)
         except Exception as e:
             if full_error():

@@ -69,11 +69,25 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
     """Lightning's launcher for ddp_spawn and ddp_fork, whose every worker ends its process group before it exits. A
     spawned worker leaves through Python's full exit, whose C++ destructors found gloo's threads still running: a
     rank aborted at the end of about one CPU run in five ("terminate called without an active exception", SIGABRT,
-    and the run failed after its test had finished). Rank 0 also sends back its best scores and fit progress."""
+    and the run failed after its test had finished). Rank 0 also sends back its best scores and fit progress, and
+    the workers log where the main process does (project.launch.worker_logs)."""
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        from project.launch import worker_logs
+
+        self._logs = worker_logs.describe()  # travels to the workers with this launcher
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        from project.errors import run_log
+        from project.launch import worker_logs
+
+        if self._start_method != "fork":  # a forked worker has its parent's handlers already
+            rank = self._strategy.node_rank * getattr(self._strategy, "num_processes", 1) + process_idx
+            worker_logs.recreate(self._logs, rank)
         try:
-            super()._wrapping_function(*args, **kwargs)
+            with run_log():  # the line that stops a run goes to the log too, as in the process that started it
+                super()._wrapping_function(process_idx, *args, **kwargs)
         finally:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
