@@ -75,16 +75,16 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
     strategy._configure_launcher()
     assert isinstance(strategy.launcher, ProcessGroupEndingLauncher)
 
-    def lightnings_work(self, store: str, fail: bool = False) -> None:  # what runs in the worker, in short
+    def lightnings_work(self, process_idx: int, store: str, fail: bool = False) -> None:  # the worker's, in short
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / store}", rank=0, world_size=1)
         if fail:
             raise RuntimeError("the fit failed")
 
     monkeypatch.setattr(_MultiProcessingLauncher, "_wrapping_function", lightnings_work)
-    strategy.launcher._wrapping_function("ok")
+    strategy.launcher._wrapping_function(0, "ok")
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="the fit failed"):
-        strategy.launcher._wrapping_function("failed", fail=True)
+        strategy.launcher._wrapping_function(0, "failed", fail=True)
     assert not dist.is_initialized()
 
 

@@ -82,9 +82,10 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         from project.errors import run_log
         from project.launch import worker_logs
 
-        if self._start_method != "fork":  # a forked worker has its parent's handlers already
+        logs = getattr(self, "_logs", None)  # set by launch, in the main process
+        if logs is not None and self._start_method != "fork":  # a forked worker has its parent's handlers already
             rank = self._strategy.node_rank * getattr(self._strategy, "num_processes", 1) + process_idx
-            worker_logs.recreate(self._logs, rank)
+            worker_logs.recreate(logs, rank)
         try:
             with run_log():  # the line that stops a run goes to the log too, as in the process that started it
                 super()._wrapping_function(process_idx, *args, **kwargs)
