@@ -156,7 +156,7 @@ class KillAt(L.Callback):
 
     def _kill_at_hook(self, trainer, hook: str) -> None:
         """$KILL_AT_HOOK=on_fit_start|on_sanity_check_start: the signal comes before training starts (its set-up, a
-        compile); a resumed run mid-epoch has no sanity check."""
+        compile; a resumed run mid-epoch has no sanity check); on_test_batch_start: during the test after fit."""
         if os.environ.get("KILL_AT_HOOK") == hook and trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
             os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
 
@@ -165,6 +165,9 @@ class KillAt(L.Callback):
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
         self._kill_at_hook(trainer, "on_sanity_check_start")
+
+    def on_test_batch_start(self, trainer, pl_module, *args) -> None:
+        self._kill_at_hook(trainer, "on_test_batch_start")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if "PROBE_DIR" in os.environ and trainer.global_step == 1:  # each rank's random state, read without drawing

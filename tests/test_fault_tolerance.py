@@ -261,6 +261,30 @@ def test_sigterm_to_one_ddp_rank_before_training_starts_stops_every_rank(tmp_pat
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 0
 
 
+def test_sigterm_to_one_ddp_rank_during_the_test_stops_the_test(tmp_path):
+    """The ranks agreed on a signal every every_n_steps test batches: a test set shorter than that ran to its end, and
+    the run exited 0 as if no signal had come."""
+    tested = [arg for arg in RUN if arg != "test=false"]
+    ddp = [*tested, "+trainer.limit_test_batches=2", "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
+    env = {"KILL_AT_HOOK": "on_test_batch_start", "KILL_RANK": "1", "KILL_SIGNAL": "SIGTERM"}
+    (tmp_path / "work").mkdir()
+    argv = [sys.executable, str(REPO / "train.py"), *ddp]
+    proc = run_python(argv, tmp_path / "work", cli_env(**env), timeout=180)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line == "stopped by SIGTERM during test: training had finished; test it again with eval.py", line
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    assert json.loads((run / "test_metrics.json").read_text())["status"] == "interrupted"
+
+
+def test_ctrl_c_outside_a_run_is_one_line_and_exit_130():
+    """Between a sequential sweep's jobs no run's handler is installed: Hydra's loop got a KeyboardInterrupt, and the
+    sweep ended in a 49-line traceback."""
+    script = "from project.entry import cli\n\ndef main():\n    raise KeyboardInterrupt\n\ncli(main)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, "stopped by SIGINT\n")
+
+
 def test_a_resumed_run_signalled_before_training_starts_stops_with_its_checkpoint(tmp_path):
     """A last.ckpt saved inside a step's end hooks resumes with that step processed but not completed: a stop at the
     start of training took it for a step cut short, and Lightning's logger connector failed an assertion."""

@@ -85,6 +85,11 @@ def cli(hydra_main: Callable[[], Any]) -> None:
             exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
     except SystemExit as e:
         _leave(e.code)
+    except KeyboardInterrupt:  # outside a run (between a sweep's jobs, before one starts): nothing of a run to save
+        from project.errors import say
+
+        say("stopped by SIGINT")
+        _leave(130)
     _leave(0)
 
 

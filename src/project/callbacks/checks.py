@@ -255,6 +255,10 @@ class RunChecks(L.Callback):
         if trainer.world_size == 1 or self._test_batches % self.every_n_steps == 0:
             self._agree_on_signal(trainer)
 
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.world_size > 1:  # fewer test batches than every_n_steps: a signal is still agreed on, and said
+            self._agree_on_signal(trainer)
+
     def _agree_on_signal(self, trainer: L.Trainer) -> None:
         signum = float(self.signum)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():

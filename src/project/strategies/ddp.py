@@ -65,6 +65,9 @@ class DDPStrategy(LightningDDPStrategy):
             )
 
 
+_STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: a rank's exit after a signal stopped the run
+
+
 class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
     """Lightning's launcher for ddp_spawn and ddp_fork, whose every worker ends its process group before it exits. A
     spawned worker leaves through Python's full exit, whose C++ destructors found gloo's threads still running: a
@@ -73,15 +76,30 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
     the workers log where the main process does (project.launch.worker_logs)."""
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+
         from project.launch import worker_logs
 
-        self._logs = worker_logs.describe()  # travels to the workers with this launcher
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        # These travel to the workers with this launcher: where the main process logs, and the run's Hydra config
+        # (its overrides make the line that says how to continue a stopped run)
+        self._logs = worker_logs.describe()
+        self._hydra = HydraConfig.instance().cfg if HydraConfig.initialized() else None
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except torch.multiprocessing.ProcessExitedException as e:
+            if e.exit_code in _STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
+                raise SystemExit(e.exit_code) from None
+            raise
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         from project.errors import run_log
         from project.launch import worker_logs
 
+        hydra = getattr(self, "_hydra", None)
+        if hydra is not None:
+            from hydra.core.hydra_config import HydraConfig
+
+            HydraConfig.instance().set_config(hydra)
         logs = getattr(self, "_logs", None)  # set by launch, in the main process
         if logs is not None and self._start_method != "fork":  # a forked worker has its parent's handlers already
             rank = self._strategy.node_rank * getattr(self._strategy, "num_processes", 1) + process_idx
