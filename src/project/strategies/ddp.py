@@ -2,6 +2,7 @@
 rendezvous that says whom it waits for (project.strategies.rendezvous)."""
 
 import io
+import logging
 from typing import Any
 
 import torch
@@ -84,12 +85,19 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         # (its overrides make the line that says how to continue a stopped run)
         self._logs = worker_logs.describe()
         self._hydra = HydraConfig.instance().cfg if HydraConfig.initialized() else None
+        # When one worker exits, torch ends the others with SIGTERM and says so: after a stop, whichever rank exited
+        # first, a warning line after the one that says how to continue. A failed worker's traceback names it.
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except torch.multiprocessing.ProcessExitedException as e:
             if e.exit_code in _STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
                 raise SystemExit(e.exit_code) from None
             raise
+        finally:
+            spawn_log.setLevel(level)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         from project.errors import run_log
