@@ -65,6 +65,7 @@ LONGEST_FIRST = (
     "test_readme.py",
     "test_readme_second_half.py",
     "test_fault_tolerance.py",
+    "test_signals.py",
     "test_slurm.py",
     "test_pipeline.py",
     "test_your_model.py",
