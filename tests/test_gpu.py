@@ -73,7 +73,7 @@ def test_mixed_precision_computes_in_its_type_on_the_gpu(make_cfg, tmp_path, pre
 @pytest.mark.parametrize("trainer", ["gpu", "ddp"], ids=["one GPU", "ddp over NCCL, 1 process"])
 def test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements(cli, tmp_path, trainer):
     """torch's sync debug mode names every operation that makes the host wait for the GPU, the implicit ones too
-    (tests/probes.py's SyncCounter): the template's own are the agreements of project.callbacks.checks alone."""
+    (tests/sync_counter.py's SyncCounter): the template's own are the agreements of project.callbacks.checks alone."""
     probe = tmp_path / "probe"
     probe.mkdir()
     cli(
@@ -85,7 +85,7 @@ def test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements(cli, 
         "+trainer.limit_train_batches=23",
         "test=false",
         f"checks.every_n_steps={EVERY}",
-        "+callbacks.sync._target_=probes.SyncCounter",
+        "+callbacks.sync._target_=sync_counter.SyncCounter",
         env={"PROBE_DIR": str(probe)},
         cold=True,
     )

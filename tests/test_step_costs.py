@@ -1,6 +1,6 @@
 """What the template adds to a training step: no collective and no host sync of its own, except the one agreement
 every checks.every_n_steps steps (project.callbacks.checks). Counted on both ranks of a real ddp run by
-tests/probes.py's SyncCounter, which wraps torch.distributed's calls and the tensor methods that read a value back
+tests/sync_counter.py's SyncCounter, which wraps torch.distributed's calls and the tensor methods that read a value back
 to the host, and names who made each call (this project's src/, Lightning, torchmetrics)."""
 
 import collections
@@ -41,7 +41,7 @@ def test_a_ddp_step_makes_no_collective_and_no_host_sync_of_the_templates_betwee
         "+trainer.limit_train_batches=23",
         "test=false",
         f"checks.every_n_steps={EVERY}",
-        "+callbacks.sync._target_=probes.SyncCounter",
+        "+callbacks.sync._target_=sync_counter.SyncCounter",
         env={"PROBE_DIR": str(probe)},
     )
     (run,) = run_dirs(tmp_path / "logs")
