@@ -185,6 +185,32 @@ def test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert json.loads((sweep / "1" / "fit_metrics.json").read_text())["status"] == "ok"
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_a_run_diverging_in_two_processes_says_so_once(tmp_path, strategy):
+    """Every rank finds the divergence at the same agreement. Under ddp each rank printed the line (and a rank's exit 2
+    could reach rank 0's watcher first: "rank 1 died"); under ddp_spawn the main process printed a 60-line traceback,
+    exited 1 and wrote no fit_metrics.json; the workers repeated warnings the main process leaves out."""
+    args = [
+        *RUN[:-1],
+        f"trainer={strategy}",
+        "trainer.accelerator=cpu",
+        "data.batch_size=16",
+        "model.optimizer.lr=1e12",
+    ]
+    proc = train(tmp_path, *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: diverged in epoch 0, between steps "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "died" not in proc.stderr
+    assert "srun` command is available" not in proc.stderr and "LeafSpec" not in proc.stderr
+    assert "sync_batchnorm" not in proc.stdout + proc.stderr  # trainer=ddp's default, which no BatchNorm here misses
+    (run,) = run_dirs(tmp_path / "logs")
+    fit = json.loads((run / "fit_metrics.json").read_text())
+    assert fit["status"] == "diverged", fit
+    assert (run / "train.log").read_text().splitlines()[-1].endswith(f"[ERROR] - {errors[0]}")
+    assert errors[0] in (run / "train_ddp_process_1.log").read_text()  # rank 1 says it in its own log
+
+
 @pytest.mark.parametrize("trainer", ["single", "fsdp"])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, trainer):
     extra = ["trainer=fsdp", "trainer.accelerator=cpu", "data.batch_size=16"] if trainer == "fsdp" else []

@@ -5,6 +5,7 @@ to the host, and names who made each call (this project's src/, Lightning, torch
 
 import collections
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,8 +140,8 @@ def test_a_steps_checks_and_loss_mean_cost_two_tensor_ops_each():
     assert float(mean.compute()) == pytest.approx((4.0 + 1.0 + 3.0) / 3)
 
 
-def one_process_trainer(step: int) -> Any:
-    """What RunChecks reads of a one-process trainer, at optimizer step `step`, mid-epoch."""
+def one_process_trainer(step: int, root: Path) -> Any:
+    """What RunChecks reads of a one-process trainer, at optimizer step `step`, mid-epoch; it writes in `root`."""
     from types import SimpleNamespace
 
     import torch
@@ -148,14 +149,16 @@ def one_process_trainer(step: int) -> Any:
     return SimpleNamespace(
         global_step=step,
         current_epoch=0,
-        default_root_dir="unused",
+        default_root_dir=str(root),
+        is_global_zero=True,
+        callback_metrics={},
         checkpoint_callbacks=[],
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=False))),
     )
 
 
-def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_nets_size():
+def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_nets_size(tmp_path):
     """An agreement (every checks.every_n_steps steps and at each epoch's end) was 16 tensor ops, plus a detach per
     weight (62 for a ResNet-18), each op several µs inside a fit. In one process it now reads the numbers back as
     they are and checks them on the host: the norms, their sum, and one stack to read. What it finds is unchanged:
@@ -170,7 +173,7 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
         """A first agreement at step 20 on a sound run, then at step 40 the one counted: after a step whose loss was
         `loss`, with a signal `signum` recorded, and a weight set to `weight`."""
         checks = RunChecks(every_n_steps=20)
-        trainer = one_process_trainer(step=20)
+        trainer = one_process_trainer(step=20, root=tmp_path)
         checks.on_train_batch_end(trainer, net, torch.tensor(0.5), None, 0)  # an agreement: step 20
         assert checks._agreed_at == 20 and checks._last_finite == 0.5
         trainer.global_step = 39
@@ -201,7 +204,7 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
             agreement(ResidualNet(), weight=weight)
 
 
-def test_a_divergence_before_any_check_passed_names_no_last_finite_loss():
+def test_a_divergence_before_any_check_passed_names_no_last_finite_loss(tmp_path):
     """The losses between agreements stay on the device: before the first agreement no finite loss is known, and the
     message said "last finite loss: none yet", as if no step had had one."""
 
@@ -210,7 +213,7 @@ def test_a_divergence_before_any_check_passed_names_no_last_finite_loss():
     from project.callbacks.checks import DivergedError, RunChecks
 
     checks = RunChecks(every_n_steps=20)
-    trainer = one_process_trainer(step=20)
+    trainer = one_process_trainer(step=20, root=tmp_path)
     net = torch.nn.Linear(3, 2)
     trainer.global_step = 0
     checks._agree(trainer, net, signals=True)  # the one at the start of training (every rank's, under ddp)
@@ -220,6 +223,7 @@ def test_a_divergence_before_any_check_passed_names_no_last_finite_loss():
     assert str(stopped.value).startswith(
         "diverged in epoch 0, between steps 0 and 20: the loss stopped being finite; lower the learning rate"
     )
+    assert json.loads((tmp_path / "fit_metrics.json").read_text()) == {"status": "diverged"}  # where it is found
 
 
 def test_finite_fp16_weights_whose_norm_fp16_cannot_hold_are_not_a_divergence():

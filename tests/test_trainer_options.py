@@ -89,6 +89,41 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
     assert not dist.is_initialized()
 
 
+def test_a_mistake_in_a_spawned_worker_ends_the_run_as_the_same_error():
+    """torch sends a worker's error back as the text of its traceback: a UserError in it is rebuilt (class and
+    message), to be said in one line; a bug, or an error raised while one was handled, keeps its traceback."""
+    import traceback
+
+    from project.callbacks.checks import DivergedError
+    from project.errors import user_error_in_traceback
+
+    def text_of(raise_it) -> str:
+        try:
+            raise_it()
+        except Exception:
+            return f"\n\n-- Process 1 terminated with the following error:\n{traceback.format_exc()}"
+        raise AssertionError("nothing raised")
+
+    def diverged() -> None:
+        raise DivergedError("diverged in epoch 2, between steps 4 and 8: the loss\nstopped being finite")
+
+    def bug_while_handling() -> None:
+        try:
+            diverged()
+        except DivergedError:
+            raise KeyError("a bug in the handler")  # noqa: B904  the chain is what is tested
+
+    def bug() -> None:
+        raise RuntimeError("project.errors.UserError: quoted in a bug's message")
+
+    error = user_error_in_traceback(text_of(diverged))
+    assert type(error) is DivergedError
+    assert str(error) == "diverged in epoch 2, between steps 4 and 8: the loss stopped being finite"
+    assert user_error_in_traceback(text_of(bug_while_handling)) is None
+    assert user_error_in_traceback(text_of(bug)) is None
+    assert user_error_in_traceback("") is None
+
+
 @pytest.mark.slow
 def test_ddp_spawn_trains_and_tests_on_two_cpu_processes(cli, tmp_path):
     """The main process learns from rank 0 more than Lightning sends back (the weights and callback_metrics): the

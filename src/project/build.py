@@ -10,7 +10,6 @@ import logging
 import os
 import types
 import typing
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -266,9 +265,9 @@ def trainer(
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends(checks_every_n_steps, run_config)
     overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks), **_profiler(cfg)}
-    # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
-    # start this run with it; runs under SLURM start with srun (README, SLURM), and this one was meant to run here
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+    from project.entry import ignore_known_warnings
+
+    ignore_known_warnings()  # Lightning's srun hint among them: also where a Trainer is built in-process (tests)
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
     _check_precision(cfg, built)

@@ -72,7 +72,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
-    _ignore_known_warnings()
+    ignore_known_warnings()
     sweeps.remember_entry_script()
     try:
         try:
@@ -93,8 +93,12 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     _leave(0)
 
 
-def _ignore_known_warnings() -> None:
-    """In the process that parsed the command line and in a parallel sweep's workers (which start at `run`)."""
+def ignore_known_warnings() -> None:
+    """In the process that parsed the command line, in a parallel sweep's workers (which start at `run`), in
+    ddp_spawn's workers (project.strategies.ddp) and wherever a Trainer is built (project.build)."""
+    # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
+    # start this run with it; runs under SLURM start with srun (README, SLURM), and this one was meant to run here
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # said in our words, with the fix, by project.models.contract (it stops the run)
@@ -210,7 +214,7 @@ def run(task: str, cfg: DictConfig) -> Any:
     sweep goes on (project.launch.sweeps.SweepReport exits non-zero at its end)."""
     from project.config.schema import check_config
 
-    _ignore_known_warnings()
+    ignore_known_warnings()
     hc = HydraConfig.get()
     with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
         try:

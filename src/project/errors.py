@@ -29,14 +29,16 @@ def exit_with(error: UserError) -> NoReturn:
 _in_a_run = False  # while project.entry.run runs a task (run_log)
 
 
-def say(line: str) -> None:
+def say(line: str, console: bool = True) -> None:
     """The line that ends or stops a run, on stderr and, while a task runs (`run_log`), also in the run's log file
     (`<run dir>/<task>.log`, Hydra's file handler) when that is still there: a run read later (nohup, a SLURM job, a
     sweep's job) says how it ended. A run dir that a refused run leaves no trace of is not made again for it, and a
-    log file that cannot be written (the full disk the line may be about) leaves the line on stderr alone."""
+    log file that cannot be written (the full disk the line may be about) leaves the line on stderr alone.
+    `console=False`: the log file only (a rank other than 0, whose line rank 0 prints)."""
     import logging
 
-    print(line, file=sys.stderr, flush=True)  # a process may end with os._exit next: no buffer is left behind
+    if console:
+        print(line, file=sys.stderr, flush=True)  # a process may end with os._exit next: no buffer is left behind
     if not _in_a_run:
         return
     record = logging.LogRecord("project", logging.ERROR, __file__, 0, line, None, None)
@@ -69,6 +71,25 @@ def run_log() -> Iterator[None]:
 def user_error_in(error: BaseException) -> UserError | None:
     """A UserError raised inside a resolver or a Hydra callback arrives wrapped by OmegaConf or Hydra."""
     return next((e for e in _chain(error) if isinstance(e, UserError)), None)
+
+
+def user_error_in_traceback(text: str) -> UserError | None:
+    """The UserError that a spawned process raised, from the traceback text that torch sends back in its place
+    (ProcessRaisedException): the same class and message, to end the run as it would have ended in one process."""
+    import importlib
+    import re
+
+    found = list(re.finditer(r"^(project(?:\.\w+)+)\.(\w+): ", text, flags=re.MULTILINE))
+    if not found or "Traceback (most recent call last)" in text[found[-1].end() :]:
+        return None  # none, or not the error that ended the process (one raised while handling it did)
+    module, name = found[-1].groups()
+    try:
+        kind = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(kind, type) and issubclass(kind, UserError)):
+        return None
+    return kind(" ".join(text[found[-1].end() :].split()))
 
 
 def disk_error_in(error: BaseException) -> UserError | None:

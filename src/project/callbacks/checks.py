@@ -26,7 +26,7 @@ stage, over Lightning's.
 import math
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as L
 import torch
@@ -145,7 +145,7 @@ class RunChecks(L.Callback):
             self._stopping = True
             if math.isfinite(last_loss):  # the step's own loss, when only what it did to the weights is not finite
                 self._last_finite = last_loss
-            raise self._diverged(trainer, "loss" if bad_loss else "weights")
+            self._end_diverged(trainer, "loss" if bad_loss else "weights")
         self._agreed_at = trainer.global_step
         if self._last is not None:  # before any step (the agreement at the start of training) no loss is known
             self._last_finite = last_loss  # the largest over the ranks
@@ -187,6 +187,17 @@ class RunChecks(L.Callback):
         self._agree(trainer, pl_module, signals=True)
 
     # ------------------------------------------------------------ what happens then
+
+    def _end_diverged(self, trainer: L.Trainer, what: str) -> NoReturn:
+        """Every rank found it at once. Rank 0 records it (fit_metrics.json: rank 0 is where the metrics are, also in
+        a spawned worker) and raises it, to be said once; the other ranks say it in their own logs and end quietly,
+        as at a stop (a child's exit 2 could reach rank 0's watcher as a death before rank 0 had said it)."""
+        error = self._diverged(trainer, what)
+        write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="diverged")
+        if trainer.is_global_zero:
+            raise error
+        say(f"error: {error}", console=False)
+        raise SystemExit(self._exit_code(trainer, 2))
 
     def _diverged(self, trainer: L.Trainer, what: str) -> DivergedError:
         # known at a passed agreement, or as the step's own loss when only its weights went bad; not before
@@ -275,13 +286,13 @@ class RunChecks(L.Callback):
                     else "test again with the same command"
                 )
                 say(f"stopped by {name} during test: {again}")
-            raise SystemExit(self._exit_code(trainer, int(signum)))
+            raise SystemExit(self._exit_code(trainer, 128 + int(signum)))
 
-    def _exit_code(self, trainer: L.Trainer, signum: int) -> int:
+    def _exit_code(self, trainer: L.Trainer, code: int) -> int:
         # Ranks that Lightning's launcher started end quietly: rank 0 reports the stop, and a child's non-zero
         # exit would make the launcher kill rank 0 before it has finished saving.
         child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
-        return 0 if child else 128 + signum
+        return 0 if child else code
 
     def _save_last(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(_last_checkpoint(trainer))  # every rank: a sharded checkpoint needs all of them
@@ -304,7 +315,7 @@ class RunChecks(L.Callback):
                 f"stopped by {name} at epoch {trainer.current_epoch if epoch is None else epoch}, step "
                 f"{trainer.global_step}: saved {path}; continue with: {_continue_command(path)}"
             )
-        raise SystemExit(self._exit_code(trainer, signum))
+        raise SystemExit(self._exit_code(trainer, 128 + signum))
 
 
 def _log_the_step_cut_short(trainer: L.Trainer) -> None:

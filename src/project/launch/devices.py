@@ -2,7 +2,6 @@
 
 import logging
 import os
-import warnings
 
 
 def describe() -> list[str]:
@@ -35,9 +34,10 @@ def default_choice() -> str:
     """Ask Lightning itself, so the answer is the one a real run gets."""
     import lightning.pytorch as L
 
+    from project.entry import ignore_known_warnings
+
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    # as in project.build: on a login node that has srun, Lightning warns that this process was not started by it
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+    ignore_known_warnings()  # on a login node that has srun, Lightning warns that this process was not started by it
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,

@@ -9,10 +9,12 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.utilities import rank_zero_warn
 
+from project.errors import user_error_in_traceback
 from project.launch.ranks import RankWatchingLauncher
 from project.strategies import rendezvous
+
+log = logging.getLogger(__name__)
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -27,10 +29,12 @@ class DDPStrategy(LightningDDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         if self._layer_sync is not None and self.root_device.type != "cuda":
-            rank_zero_warn(
-                f"sync_batchnorm=True has no effect on {self.root_device.type}: SyncBatchNorm needs CUDA. "
-                "BatchNorm statistics stay per process."
-            )
+            batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
+            if batchnorm and self.global_rank == 0:  # a net without BatchNorm loses nothing: nothing to say
+                log.warning(
+                    f"sync_batchnorm=True has no effect on {self.root_device.type}: SyncBatchNorm needs CUDA. "
+                    "BatchNorm statistics stay per process."
+                )
             self._layer_sync = None
         super().setup(trainer)
 
@@ -96,13 +100,20 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             if e.exit_code in _STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
                 raise SystemExit(e.exit_code) from None
             raise
+        except torch.multiprocessing.ProcessRaisedException as e:  # a worker's error, as the text of its traceback
+            error = user_error_in_traceback(str(e))
+            if error is None:
+                raise  # a bug: the worker's traceback is the report
+            raise error from None  # a mistake the worker said in one line (a divergence): said once, here
         finally:
             spawn_log.setLevel(level)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        from project.entry import ignore_known_warnings
         from project.errors import run_log
         from project.launch import worker_logs
 
+        ignore_known_warnings()  # a spawned worker starts without the main process's filters
         hydra = getattr(self, "_hydra", None)
         if hydra is not None:
             from hydra.core.hydra_config import HydraConfig

@@ -8,7 +8,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from project import build
 from project.callbacks import averaging
-from project.callbacks.checks import DivergedError
 from project.callbacks.monitor import Monitor, best_key
 from project.callbacks.schedule import StretchSchedule
 from project.config.schema import check_config
@@ -84,11 +83,7 @@ def train(cfg: DictConfig) -> float | None:
 
     metrics: dict[str, float] = {}
     if cfg.train:
-        try:
-            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-        except DivergedError:
-            write_metrics(trainer, output_dir / "fit_metrics.json", status="diverged")
-            raise
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)  # a divergence is recorded where it is found
         found = {best_key(monitor.metric): monitor.best} if monitor.best is not None else {}
         metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json", extra=found))
     if cfg.test:
