@@ -296,3 +296,14 @@ class SignalHandlers(L.Callback):
             found = [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)]
             names = [getattr(handler, "__qualname__", repr(handler)) for handler in found]
             (probe_dir() / f"handlers_{HydraConfig.get().job.num}.txt").write_text(" ".join(names))
+
+
+class MistakeAt(L.Callback):
+    """$MISTAKE_AT_STEP=<n>, $MISTAKE_RANK=<r>: rank r alone finds a mistake (a UserError) at step n."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == int(os.environ["MISTAKE_AT_STEP"]):
+            if trainer.global_rank == int(os.environ["MISTAKE_RANK"]):
+                from project.errors import UserError
+
+                raise UserError(f"rank {trainer.global_rank} alone found a mistake at step {trainer.global_step}")

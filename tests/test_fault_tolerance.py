@@ -4,6 +4,7 @@ tests/test_signals.py."""
 
 import json
 import math
+import re
 import shlex
 import signal
 import subprocess
@@ -128,6 +129,26 @@ def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     assert len(lines) == 1 and "rank 1 (pid " in lines[0] and "killed by SIGKILL" in lines[0], proc.stderr[-2000:]
     assert lines[0].endswith(f"its log: {run}/train_ddp_process_1.log") and "Traceback" not in proc.stderr
     assert f"[ERROR] - {lines[0]}" in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize(("strategy", "rank"), [("ddp", 0), ("ddp", 1), ("ddp_spawn", 0), ("ddp_spawn", 1)])
+def test_a_mistake_one_rank_alone_finds_is_said_once_in_its_words(tmp_path, strategy, rank):
+    """Rank 0 says how the run ended. Rank 1's line showed beside it (its own error, or "lost the connection" when
+    rank 0 had ended), and when rank 1 alone found it, rank 0 said only "rank 1 died (exit code 2)". Under
+    ddp_spawn, rank 1's lost connection could be the error torch sent back first, and ended the run in its place."""
+    ddp = [*RUN[:-1], f"trainer={strategy}", "trainer.accelerator=cpu", "data.batch_size=16"]
+    env = {"MISTAKE_AT_STEP": "2", "MISTAKE_RANK": str(rank)}
+    proc = train(tmp_path, *ddp, "+callbacks.probe._target_=probes.MistakeAt", env=env, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    mistake = f"rank {rank} alone found a mistake at step 2"
+    if rank == 0 or strategy == "ddp_spawn":  # the main process says a spawned worker's error
+        assert proc.returncode == 2 and errors == [f"error: {mistake}"], proc.stderr[-3000:]
+    else:
+        (run,) = run_dirs(tmp_path / "logs")
+        log = run / "train_ddp_process_1.log"
+        assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+        assert re.fullmatch(rf"error: rank 1 \(pid \d+\) died \(exit code 2: {mistake}\); its log: {log}", errors[0])
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tmp_path):

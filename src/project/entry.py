@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.errors import UserError, disk_error_in, exit_with, missing_compile_backend_in, run_log, user_error_in
-from project.launch import sweeps
+from project.launch import environment, sweeps
 from project.launch.sweeps import record_failure
 from project.runs.dirs import remove_if_unused
 
@@ -166,14 +166,20 @@ def _config_error(error: BaseException) -> bool:
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
+def lost_connection(error: BaseException) -> bool:
+    """A collective that failed because another rank ended (died, or stopped on an error of its own)."""
+    return any(text in str(error) for text in _PEER_GONE)
+
+
 def _lost_rank(error: BaseException) -> str | None:
     """A collective that failed because another rank died: say so once, in one line, instead of a traceback."""
-    if not any(text in str(error) for text in _PEER_GONE):
+    if not lost_connection(error):
         return None
     from project.launch import ranks  # imports Lightning: only once a collective has failed
 
     reason = " ".join(str(error).split())[:160]
-    line = ranks.dead_rank() or f"lost the connection to another rank ({reason}); see that rank's log"
+    dead = None if environment.watched_rank() else ranks.dead_rank()  # rank 0's watcher may know which one died
+    line = dead or f"lost the connection to another rank ({reason}); see that rank's log"
     ranks.report_once(line)
     return line
 
@@ -230,8 +236,10 @@ def run(task: str, cfg: DictConfig) -> Any:
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None
             lost = _lost_rank(e)
-            if lost is not None:
-                raise SystemExit(1) from None  # the one line about the dead rank is printed
+            if lost is not None:  # the one line about the dead rank is said
+                # in a rank that rank 0 watches, into its own log: rank 0 says how the run ended, and this rank's
+                # exit 1 could reach rank 0's watcher as a death before rank 0 had said it
+                raise SystemExit(0 if environment.watched_rank() else 1) from None
             disk = disk_error_in(e)
             if disk is not None:
                 exit_with(disk)  # what was written before stays

@@ -34,10 +34,12 @@ def say(line: str, console: bool = True) -> None:
     (`<run dir>/<task>.log`, Hydra's file handler) when that is still there: a run read later (nohup, a SLURM job, a
     sweep's job) says how it ended. A run dir that a refused run leaves no trace of is not made again for it, and a
     log file that cannot be written (the full disk the line may be about) leaves the line on stderr alone.
-    `console=False`: the log file only (a rank other than 0, whose line rank 0 prints)."""
+    `console=False`, and in a rank that rank 0 watches (project.launch.environment): the log file only."""
     import logging
 
-    if console:
+    from project.launch.environment import watched_rank
+
+    if console and not watched_rank():
         print(line, file=sys.stderr, flush=True)  # a process may end with os._exit next: no buffer is left behind
     if not _in_a_run:
         return

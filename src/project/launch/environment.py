@@ -10,6 +10,17 @@ import os
 _SLURM_BATCH_STEP = "4294967294"
 
 
+# The pid of the process that started this machine's other ranks and watches them (project.launch.ranks): set
+# before it starts them, so that they inherit it.
+WATCHED_BY = "PROJECT_RANKS_WATCHED_BY"
+
+
+def watched_rank() -> bool:
+    """A rank that this machine's rank 0 started and watches: rank 0 says on the console how the run ended (or that
+    this rank died, and where its log is); this one writes its lines into its own log."""
+    return os.environ.get(WATCHED_BY, str(os.getpid())) != str(os.getpid())
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 

@@ -18,6 +18,7 @@ from typing import Any
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from project.errors import say
+from project.launch import environment
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,19 @@ def dead_rank(wait_s: float = 1.0) -> str | None:
     return _dead[0] if _dead else None
 
 
+_GRACE_S = 3.0  # how long a child's exit 2 waits for rank 0 to end on the same mistake
+
+
+def _last_error(log: Path) -> str | None:
+    """The line a rank said as it ended (`... [ERROR] - error: <line>`, project.errors.say), from its log."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-50:]
+    except OSError:
+        return None
+    said = [line.split("[ERROR] - error: ", 1)[1] for line in lines if "[ERROR] - error: " in line]
+    return said[-1] if said else None
+
+
 class _Watcher(threading.Thread):
     def __init__(self, procs: list[Any]) -> None:
         super().__init__(daemon=True, name="rank-watcher")
@@ -67,7 +81,11 @@ class _Watcher(threading.Thread):
                 if code:
                     run_dir = _run_dir()
                     log = f"{run_dir}/train_ddp_process_{rank}.log" if run_dir else f"train_ddp_process_{rank}.log"
-                    _dead.append(f"rank {rank} (pid {proc.pid}) died ({_describe(code)}); its log: {log}")
+                    said = _last_error(Path(log))
+                    reason = f"{_describe(code)}: {said}" if said else _describe(code)
+                    _dead.append(f"rank {rank} (pid {proc.pid}) died ({reason}); its log: {log}")
+                    if code == 2 and said:  # a mistake, which rank 0 may have found too: its own line comes first
+                        time.sleep(_GRACE_S)
                     report_once(_dead[0])
                     for other in self.procs:
                         if other.poll() is None:
@@ -105,6 +123,7 @@ class RankWatchingLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self.meeting_port()
+            os.environ[environment.WATCHED_BY] = str(os.getpid())  # the ranks it starts leave the console to it
             self._call_children_scripts()
             _Watcher(self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)

@@ -101,7 +101,7 @@ def remove_if_unused(run_dir: Path) -> None:
         return
     for path in run_dir.rglob("*"):
         bookkeeping = ".hydra" in path.relative_to(run_dir).parts or path.suffix == ".log" or path.name == CLAIM
-        if path.is_file() and not bookkeeping:
+        if path.is_file() and not bookkeeping and not _settings_only(path):
             return
     shutil.rmtree(run_dir, ignore_errors=True)
     for parent in run_dir.resolve().parents:  # the folders this process made for it, if nothing else is there
@@ -111,6 +111,28 @@ def remove_if_unused(run_dir: Path) -> None:
             parent.rmdir()
         except OSError:
             break
+
+
+def _settings_only(path: Path) -> bool:
+    """A logger's file that holds the run's settings and nothing the run measured: Lightning's hparams.yaml, and a
+    TensorBoard event file with the HParams summary alone, written before the run found the mistake (its data
+    missing offline, say)."""
+    if path.name == "hparams.yaml":
+        return True
+    if not path.name.startswith("events.out.tfevents."):
+        return False
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    try:
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("summary"):
+                if any(value.metadata.plugin_data.plugin_name != "hparams" for value in event.summary.value):
+                    return False
+            elif not event.HasField("file_version"):  # a graph, a session log: something the run did
+                return False
+    except Exception:  # not one we can read: not ours to remove
+        return False
+    return True
 
 
 def earlier_files(directory: Path) -> list[Path]:

@@ -109,7 +109,7 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             spawn_log.setLevel(level)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        from project.entry import ignore_known_warnings
+        from project.entry import ignore_known_warnings, lost_connection
         from project.errors import run_log
         from project.launch import worker_logs
 
@@ -126,6 +126,13 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         try:
             with run_log():  # the line that stops a run goes to the log too, as in the process that started it
                 super()._wrapping_function(process_idx, *args, **kwargs)
+        except Exception as e:
+            if self._strategy.global_rank == 0 or not lost_connection(e):
+                raise
+            # Rank 0 ended (on an error the main process reports): this worker's error, sent first, would take its
+            # place as the run's last line. Its own log says it; it ends quietly.
+            logging.getLogger(__name__).error(f"lost the connection to rank 0 ({' '.join(str(e).split())[:160]})")
+            raise SystemExit(0) from None
         finally:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
