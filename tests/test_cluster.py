@@ -279,19 +279,27 @@ def test_an_address_rank_0_cannotlisten_on_is_one_line_naming_what_was_given():
 
 def test_a_one_machine_run_meets_on_a_free_port_below_the_ephemeral_range(monkeypatch):
     """Lightning's MASTER_PORT is an ephemeral port, unbound until rank 0 listens on it: meanwhile any outgoing
-    connection on the machine may take it as its source port ("Address already in use", seen once in `make test`)."""
+    connection on the machine may take it as its source port ("Address already in use", seen once in `make test`).
+    The ranks started also inherit the mark that leaves the console to rank 0, which rank 0 itself does not keep
+    (the processes it starts later, a test's CLI runs in pytest's process, are not watched)."""
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from project.launch import ports, ranks
+    from project.launch import environment, ports, ranks
 
     monkeypatch.delenv("MASTER_PORT", raising=False)  # conftest restores what the launcher sets
     given: list[int] = []
+    watched_by: list[str | None] = []  # the mark of the process that watches ranks 1..N-1, as they inherit it
+
+    def start_ranks() -> None:
+        given.append(launcher.cluster_environment.main_port)
+        watched_by.append(os.environ.get(environment.WATCHED_BY))
+
     launcher = ranks.RankWatchingLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
-    monkeypatch.setattr(
-        launcher, "_call_children_scripts", lambda: given.append(launcher.cluster_environment.main_port)
-    )
+    monkeypatch.setattr(launcher, "_call_children_scripts", start_ranks)
     assert launcher.launch(lambda: "rank 0's work") == "rank 0's work"
+    assert watched_by == [str(os.getpid())] and not environment.watched_rank()
     (port,) = given  # what the other ranks are started with, and rank 0's store listens on
+    assert environment.WATCHED_BY not in os.environ  # in the environment the ranks got, not in this process's
     assert ports.LOWEST <= port < ports.ephemeral_start() and os.environ["MASTER_PORT"] == str(port)
     with socket.create_server(("127.0.0.1", port)):  # free
         pass

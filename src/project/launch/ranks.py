@@ -117,14 +117,26 @@ class RankWatchingLauncher(_SubprocessScriptLauncher):
             return  # several nodes: checked at start (project.launch.processes)
         log.info(f"The {self.num_processes * self.num_nodes} ranks meet at {address}:{port}")
 
+    def _call_children_watched(self) -> None:
+        """Lightning's start of ranks 1..N-1, which inherit the mark of the process that watches them (they leave the
+        console to it): in their environment only, not in this process's, nor in what it starts later."""
+        before = os.environ.get(environment.WATCHED_BY)
+        os.environ[environment.WATCHED_BY] = str(os.getpid())
+        try:
+            self._call_children_scripts()
+        finally:
+            if before is None:
+                del os.environ[environment.WATCHED_BY]
+            else:
+                os.environ[environment.WATCHED_BY] = before
+
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self.meeting_port()
-            os.environ[environment.WATCHED_BY] = str(os.getpid())  # the ranks it starts leave the console to it
-            self._call_children_scripts()
+            self._call_children_watched()
             _Watcher(self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
