@@ -226,6 +226,13 @@ def test_run_dir_holds_config_checkpoints_and_tensorboard_events(trained):
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hparams_tags
 
 
+def test_the_run_log_holds_no_tips_for_lightnings_cloud_services(trained):
+    """Lightning 2.6 logs two in every run (litlogger, litmodels), on the console and into the run's log."""
+    log = (trained / "train.log").read_text()
+    assert "Tested " in log and "`Trainer.fit` stopped" in log  # the log holds our lines, and Lightning's
+    assert "💡" not in log and "litlogger" not in log and "litmodels" not in log
+
+
 def test_checkpoints_hold_only_plain_data(trained):
     for path in (trained / "checkpoints").glob("*.ckpt"):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)

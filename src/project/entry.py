@@ -137,12 +137,19 @@ def _leave(code: Any) -> None:
         os._exit(status)
 
 
+def _no_service_tips(record: logging.LogRecord) -> bool:
+    """Lightning 2.6 logs, in every run, tips to install its cloud services' packages (litlogger, litmodels): noise
+    in every run's console and log, and on a cluster's compute node without internet, advice that cannot apply."""
+    return not str(record.msg).startswith("💡 Tip:")
+
+
 def one_console_output() -> None:
     """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
     prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
     `error:` lines belong."""
     import lightning.pytorch  # noqa: F401  adds its handlers on import: remove them after, not before
 
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_service_tips)  # added once
     if logging.getLogger().handlers:
         for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
             logger = logging.getLogger(name)
