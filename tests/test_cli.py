@@ -311,7 +311,7 @@ def test_a_failed_start_leaves_a_dir_the_user_named_alone(cli, tmp_path):
 def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
-    cli(
+    proc = cli(
         "train.py",
         "trainer=ddp",
         "trainer.accelerator=cpu",
@@ -326,6 +326,9 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_pat
     )
     (run,) = run_dirs(tmp_path / "logs")
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "test_metrics.json").is_file()
+    # rank 0 alone on the console, as under ddp_spawn; rank 1 in its own log (it showed its set-up lines, repeated)
+    assert "GLOBAL_RANK: 0" in proc.stdout and "GLOBAL_RANK: 1" not in proc.stdout + proc.stderr
+    assert "Initializing distributed: GLOBAL_RANK: 1" in (run / "train_ddp_process_1.log").read_text()
     # one machine: the rendezvous store listens on MASTER_ADDR (127.0.0.1) only, not on every interface
     assert json.loads((probe / "listen.json").read_text()) == ["127.0.0.1"]
     # Only rank 0 prepares, once per Trainer entry point (fit, then test); rank 1 never does.

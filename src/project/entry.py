@@ -146,10 +146,14 @@ def _no_service_tips(record: logging.LogRecord) -> bool:
 def one_console_output() -> None:
     """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
     prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
-    `error:` lines belong."""
+    `error:` lines belong. A rank that rank 0 started prints nothing: its lines are in its own log."""
     import lightning.pytorch  # noqa: F401  adds its handlers on import: remove them after, not before
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_service_tips)  # added once
+    if environment.watched_rank():  # rank 0 alone on the console (as ddp_spawn's workers): this rank in its own log
+        for handler in list(logging.getLogger().handlers):
+            if type(handler) is logging.StreamHandler:
+                logging.getLogger().removeHandler(handler)
     if logging.getLogger().handlers:
         for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
             logger = logging.getLogger(name)
