@@ -53,7 +53,7 @@ def dead_rank(wait_s: float = 1.0) -> str | None:
     return _dead[0] if _dead else None
 
 
-_GRACE_S = 3.0  # how long a child's exit 2 waits for rank 0 to end on the same mistake
+_GRACE_S = 5.0  # how long a child's exit 2 waits for rank 0 to end on the same mistake
 
 
 def _last_error(log: Path) -> str | None:
