@@ -29,7 +29,8 @@ class DDPStrategy(LightningDDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         if self._layer_sync is not None and self.root_device.type != "cuda":
-            batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
+            modules = self.model.modules() if self.model is not None else []
+            batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules)
             if batchnorm and self.global_rank == 0:  # a net without BatchNorm loses nothing: nothing to say
                 log.warning(
                     f"sync_batchnorm=True has no effect on {self.root_device.type}: SyncBatchNorm needs CUDA. "
