@@ -214,3 +214,22 @@ def test_the_jobs_of_a_sequential_sweep_start_with_the_signal_handlers_the_sweep
     train(tmp_path / "work", *args, env={"PROJECT_PROFILE": "tiny", "PROBE_DIR": str(probe)})
     first, second = ((probe / f"handlers_{job}.txt").read_text() for job in (0, 1))
     assert first == second and "RunChecks" not in second, (first, second)
+
+
+def test_a_signal_to_ddp_spawns_main_process_stops_its_workers_as_under_ddp(tmp_path):
+    """`kill <pid>` of the process the user started: it ended at once, and its workers then stopped on their own,
+    without a checkpoint or a line. The main process now passes the signal to its workers."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    args = [*RUN, "trainer=ddp_spawn", "trainer.accelerator=cpu", "data.batch_size=16"]
+    proc = start(tmp_path / "work", *args, env={"PROBE_DIR": str(probe), "STEP_SLEEP": "0.3"})
+    workers = [int(wait_for(probe / f"pid_{rank}")) for rank in (0, 1)]
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("stopped by SIGTERM at epoch 0, step ") and "Traceback" not in stderr, stderr[-3000:]
+    ckpt = line.split("ckpt_path=")[1]
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] >= 1
+    for pid in workers:  # none left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

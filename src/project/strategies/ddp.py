@@ -1,8 +1,13 @@
 """Lightning's DDP, registered under the same names, with sync_batchnorm that never breaks a CPU run and a
 rendezvous that says whom it waits for (project.strategies.rendezvous)."""
 
+import contextlib
 import io
 import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -96,7 +101,8 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         level = spawn_log.level
         spawn_log.setLevel(logging.ERROR)
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            with self._signals_passed_to_workers():
+                return super().launch(function, *args, trainer=trainer, **kwargs)
         except torch.multiprocessing.ProcessExitedException as e:
             if e.exit_code in _STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
                 raise SystemExit(e.exit_code) from None
@@ -108,6 +114,38 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             raise error from None  # a mistake the worker said in one line (a divergence): said once, here
         finally:
             spawn_log.setLevel(level)
+
+    @contextlib.contextmanager
+    def _signals_passed_to_workers(self) -> Iterator[None]:
+        """A signal to the main process alone (`kill <pid>`; a Ctrl-C reaches every process of the terminal's group)
+        goes on to the workers, which stop the run as under ddp: the main process ended at once, and the workers
+        then stopped without the signal's name. Before the workers start, and after they end, it acts as before."""
+        if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+            yield
+            return
+        signals = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
+        before = {signum: signal.getsignal(signum) for signum in signals}
+
+        def pass_on(signum: int, frame: Any) -> None:
+            workers = [p for p in getattr(self, "procs", []) if p.is_alive()]  # Lightning sets procs at their start
+            for worker in workers:
+                os.kill(worker.pid, signum)
+            if workers:
+                return
+            previous = before[signum]
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise SystemExit(128 + signum)
+
+        for signum in signals:
+            signal.signal(signum, pass_on)
+        try:
+            yield
+        finally:
+            for signum, handler in before.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         from project.entry import ignore_known_warnings, lost_connection
