@@ -2,10 +2,11 @@
 
 import json
 import re
+import sys
 
 import pytest
 import torch
-from conftest import run_dirs
+from conftest import REPO, cli_env, run_dirs, run_python, tensorboard_scalars
 
 from project import build
 from project.errors import UserError
@@ -143,6 +144,21 @@ def test_ddp_spawn_trains_and_tests_on_two_cpu_processes(cli, tmp_path):
     assert "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in (run / "train.log").read_text()
     assert "`Trainer.fit` stopped: `max_epochs=3` reached." in (run / "train.log").read_text()
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in (run / "train_ddp_process_1.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "devices"), [("ddp_fork", 2), ("ddp_notebook", 1)])
+def test_forked_workers_train_and_test_with_the_default_logger(tmp_path, strategy, devices):
+    """Both waited for ever. A forked worker had its parent's TensorBoard writer without the thread that writes it
+    (its first flush, at the first checkpoint); the test's worker, forked after the fit had run the parent's OpenMP
+    threads, waited for them in its first parallel op (one process: two threads each on 2 cores)."""
+    command = [sys.executable, str(REPO / "train.py"), f"trainer.strategy={strategy}", "trainer.accelerator=cpu"]
+    env = {k: v for k, v in cli_env().items() if k != "OMP_NUM_THREADS"}  # as a user's shell has it; tests set 1
+    proc = run_python([*command, f"trainer.devices={devices}", "debug=limit"], tmp_path, env, timeout=120, cold=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = run_dirs(tmp_path / "logs")
+    assert json.loads((run / "test_metrics.json").read_text())["status"] == "ok"
+    assert "val/acc" in tensorboard_scalars(run) and "test/acc" in tensorboard_scalars(run)
 
 
 @pytest.mark.slow

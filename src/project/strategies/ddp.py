@@ -158,6 +158,13 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             from hydra.core.hydra_config import HydraConfig
 
             HydraConfig.instance().set_config(hydra)
+        if self._start_method == "fork" and args:
+            _own_event_writers(args[0])
+            # Forked after the parent's OpenMP threads ran (its fit, before the test): in the child they are gone,
+            # and the first parallel op waits for them for ever (libgomp is not fork-safe). One thread each (the
+            # variable: Lightning would set its own count when it is unset).
+            torch.set_num_threads(1)
+            os.environ["OMP_NUM_THREADS"] = "1"
         logs = getattr(self, "_logs", None)  # set by launch, in the main process
         if logs is not None and self._start_method != "fork":  # a forked worker has its parent's handlers already
             rank = self._strategy.node_rank * getattr(self._strategy, "num_processes", 1) + process_idx
@@ -204,6 +211,16 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         state = torch.load(io.BytesIO(extra["trainer_state_bytes"]), weights_only=False)  # from our own worker
         _call_callbacks_load_state_dict(trainer, state)
         _Progress(trainer).load_state_dict(state["progress"])
+
+
+def _own_event_writers(trainer: Any) -> None:
+    """A forked worker (ddp_fork, ddp_notebook) has its parent's TensorBoard writer, but not the thread that writes
+    its queue: the first flush, at the first checkpoint, waited for ever. The worker opens writers of its own."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in getattr(trainer, "loggers", []):
+        if isinstance(logger, TensorBoardLogger):
+            logger._experiment = None
 
 
 class _Progress:
