@@ -61,6 +61,12 @@ def test_fsdp_shards_trains_checkpoints_resumes_and_evaluates(cli, tmp_path):
 
     refused = cli("eval.py", f"ckpt_path={best}", check=False, cwd=eval_logs)
     assert refused.returncode == 2 and "evaluate it with trainer=fsdp" in refused.stderr
+    # resumed under another strategy: Lightning's looked for the weights in one file (KeyError: 'state_dict')
+    ddp = ["trainer=ddp", *FSDP[1:], f"ckpt_path={last}"]
+    refused = cli("train.py", *ddp, check=False, cwd=tmp_path / "elsewhere")
+    (line,) = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and line.startswith(f"error: ckpt_path={last} is sharded (written by "), line
+    assert "resume it with trainer=fsdp" in line and not (tmp_path / "elsewhere" / "logs").exists()
 
 
 @pytest.mark.slow

@@ -28,6 +28,18 @@ def allowed(trusted: Sequence[str] = ()) -> tuple[str, ...]:
     return ALLOWED_MODULES + tuple(f"{t.strip('.')}." for t in trusted)
 
 
+def check_strategy_reads(path: str | Path, strategy: Any, task: str) -> None:
+    """A sharded checkpoint (a directory, written by fsdp) is read by fsdp alone: Lightning's other strategies look
+    for its weights in one file, and fail deep in their restore (KeyError: 'state_dict')."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if is_sharded(Path(path).expanduser()) and not isinstance(strategy, ModelParallelStrategy):
+        raise UserError(
+            f"ckpt_path={path} is sharded (written by strategy=fsdp): {task} it with trainer=fsdp "
+            "(any number of devices; the shards are redistributed)"
+        )
+
+
 def is_sharded(path: Path) -> bool:
     return path.is_dir() and (path / SHARDED_METADATA).is_file()
 

@@ -35,7 +35,6 @@ def _data_config(cfg: DictConfig, train_config: dict) -> DictConfig:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Returns the test metrics (also written to <run>/test_metrics.json)."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
     check_config(cfg)
     seed_run(cfg.seed)
@@ -50,11 +49,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         sweeps.run_job_in_fresh_process(None)
         return read_metrics(Path(cfg.paths.output_dir))
+    checkpoints.check_strategy_reads(cfg.ckpt_path, trainer.strategy, "evaluate")
     sharded = checkpoints.is_sharded(path)
-    if sharded and not isinstance(trainer.strategy, ModelParallelStrategy):
-        raise UserError(
-            f"ckpt_path={cfg.ckpt_path} is sharded (written by strategy=fsdp): evaluate it with trainer=fsdp "
-            "(any number of devices; the shards are redistributed)"
-        )
     trainer.test(model, datamodule=datamodule, ckpt_path=str(path) if sharded else None)
     return write_metrics(trainer, Path(cfg.paths.output_dir) / "test_metrics.json")

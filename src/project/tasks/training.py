@@ -72,6 +72,8 @@ def train(cfg: DictConfig) -> float | None:
         averaging.check_resume(ckpt_path, resumed, callbacks)
     loggers = build.named(cfg.logger, "logger")
     trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch, cfg.checks.every_n_steps, run_config)
+    if ckpt_path:
+        checkpoints.check_strategy_reads(ckpt_path, trainer.strategy, "resume" if cfg.train else "test")
     objective = cfg.optimized_metric or best_key(cfg.monitor.metric)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
         return sweeps.run_job_in_fresh_process(objective)
