@@ -53,6 +53,13 @@ BAD_INPUTS = [
         ["model.scheduler.T_max=0"],
         "model.scheduler: its first step fails with T_max=0 (ZeroDivisionError: integer modulo by zero)",
     ),
+    (  # the scheduler's length comes from the epochs: the message names where it was typed
+        "train.py",
+        ["trainer.max_epochs=0"],
+        "model.scheduler: its first step fails with T_max=0 (from trainer.max_epochs) (ZeroDivisionError",
+    ),
+    ("train.py", ["precision=16"], "precision=16: precision is a config group, which takes the name of an option: "),
+    ("train.py", ["model=1"], "model=1: model is a config group, which takes the name of an option: autoencoder,"),
     ("train.py", ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0: must be at least 1"),
     ("train.py", ["model.compile=nonsense"], "compile='nonsense' is not a torch.compile backend"),
     ("train.py", ["model.net.hidden=0"], "model: ValueError: widths must be >= 1"),

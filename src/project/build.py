@@ -153,6 +153,15 @@ def _check_factories(node: Any, where: str) -> None:
         _check_factories(value, f"{where}.{key!s}")
 
 
+def _shown(node: DictConfig, key: str) -> str:
+    """`key=value`, and where an interpolated value comes from: `T_max=0 (from trainer.max_epochs)`."""
+    value = node[key]
+    if OmegaConf.is_interpolation(node, key):
+        source = str(node._get_node(key)._value())  # type: ignore[union-attr]  the text `${trainer.max_epochs}`
+        return f"{key}={value} (from {source.removeprefix('${').removesuffix('}')})"
+    return f"{key}={value}"
+
+
 def _first_step(scheduler: Any, optimizer: Any, node: DictConfig, where: str) -> None:
     """Step a just-built scheduler once: `T_max=0` divides by zero only there, in torch's words, which name no
     setting; the error names the config's values."""
@@ -165,7 +174,7 @@ def _first_step(scheduler: Any, optimizer: Any, node: DictConfig, where: str) ->
     try:
         scheduler.step()
     except Exception as e:
-        values = ", ".join(f"{k!s}={v}" for k, v in node.items() if not str(k).startswith("_"))  # resolved: built fine
+        values = ", ".join(_shown(node, str(k)) for k in node.keys() if not str(k).startswith("_"))  # built: resolves
         failure = f"{type(e).__name__}: {' '.join(str(e).split())}"
         raise UserError(f"{where}: its first step fails with {values} ({failure}); change them") from e
 

@@ -56,6 +56,21 @@ def _composition_error(e: CompactHydraException) -> str:
     return message
 
 
+def _group_given_a_value(error: BaseException) -> UserError | None:
+    """`precision=16`, `model=1`, `trainer=true`: Hydra reads a number or a boolean where a config group takes the
+    name of one of its options, and says so in a traceback that names neither the key nor the options."""
+    if not (isinstance(error, ValueError) and str(error).startswith("Config group override must be a string")):
+        return None
+    conf = Path(sys.argv[0]).resolve().parent / "conf"
+    for arg in sys.argv[1:]:
+        key, given, value = arg.lstrip("+~").partition("=")
+        not_a_name = re.fullmatch(r"[-+]?[\d.e_]+|true|false|null", value, flags=re.IGNORECASE)
+        if given and not_a_name and (conf / key).is_dir():
+            options = ", ".join(sorted(p.stem for p in (conf / key).glob("*.yaml")))
+            return UserError(f"{key}={value}: {key} is a config group, which takes the name of an option: {options}")
+    return None
+
+
 def _with_profile(argv: list[str]) -> list[str]:
     """$PROJECT_PROFILE=<name> adds `profile=<name>` (conf/profile/): the documented way to shrink every command,
     for tests. Ranks and sweep jobs that a run starts inherit both the variable and the override."""
@@ -78,7 +93,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
         try:
             hydra_main()
         except Exception as e:
-            user_error = user_error_in(e)
+            user_error = user_error_in(e) or _group_given_a_value(e)
             if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
                 raise
             _remove_unused_sweep_dir()
