@@ -157,7 +157,8 @@ def _shown(node: DictConfig, key: str) -> str:
     """`key=value`, and where an interpolated value comes from: `T_max=0 (from trainer.max_epochs)`."""
     value = node[key]
     if OmegaConf.is_interpolation(node, key):
-        source = str(node._get_node(key)._value())  # type: ignore[union-attr]  the text `${trainer.max_epochs}`
+        raw: Any = node._get_node(key)
+        source = str(raw._value())  # the text `${trainer.max_epochs}`
         return f"{key}={value} (from {source.removeprefix('${').removesuffix('}')})"
     return f"{key}={value}"
 

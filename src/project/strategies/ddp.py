@@ -124,7 +124,7 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             yield
             return
         signals = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
-        before = {signum: signal.getsignal(signum) for signum in signals}
+        before: dict[int, Any] = {signum: signal.getsignal(signum) for signum in signals}
 
         def pass_on(signum: int, frame: Any) -> None:
             workers = [p for p in getattr(self, "procs", []) if p.is_alive()]  # Lightning sets procs at their start
