@@ -143,9 +143,9 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         try:
             yield
         finally:
-            for signum, handler in before.items():
+            for number, handler in before.items():
                 if handler is not None:
-                    signal.signal(signum, handler)
+                    signal.signal(number, handler)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         from project.entry import ignore_known_warnings, lost_connection
