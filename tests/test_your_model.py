@@ -106,3 +106,17 @@ def test_trains_under_the_strategy(cli, tmp_path, kind, strategy):
     if strategy == "fsdp":  # sharded by the policy: the repeated block, or the top-level layers
         unit = {"tutorial_cnn": "Conv2d", "torchvision_resnet18": "BasicBlock x8", "autoencoder": "Linear x4"}[kind]
         assert "fsdp: " in log and unit in log
+
+
+def test_a_users_module_that_logs_other_names_is_told_the_monitor_setting_that_works(cli, tmp_path):
+    """The message named `monitor=val_loss`, a config group option that means val/loss: followed, the same error."""
+    from user_models import LIT_AUTOENCODER_3_EPOCHS
+
+    unmonitored = [arg for arg in LIT_AUTOENCODER_3_EPOCHS if not arg.startswith("monitor.")]
+    proc = cli("train.py", *unmonitored, check=False)
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "which LitAutoEncoder never logged; it logged: lr-Adam, train_loss." in line
+    advice = line.split("e.g. ")[1].split(", or log it")[0]
+    assert advice == "monitor.metric=train_loss monitor.mode=min"
+    followed = cli("train.py", *unmonitored, *advice.split(), cwd=tmp_path / "followed")
+    assert followed.returncode == 0
