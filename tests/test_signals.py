@@ -233,3 +233,17 @@ def test_a_signal_to_ddp_spawns_main_process_stops_its_workers_as_under_ddp(tmp_
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] >= 1
     for pid in workers:  # none left behind
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_the_command_to_continue_quotes_a_path_that_hydra_would_split():
+    """A run under a folder with a space printed `'ckpt_path=/tmp/spa ce/.../last.ckpt'`: quoted for the shell, but
+    Hydra's grammar then split it ("LexerNoViableAltException"), so the command to continue did not run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from project.callbacks.checks import resume_override
+
+    parser = OverridesParser.create()
+    for path in ["/tmp/plain/last.ckpt", "/tmp/spa ce/ünï 数字/it's [1],x=y\\z\\'/last.ckpt", "/tmp/a b\\"]:
+        (override,) = parser.parse_overrides([resume_override(path)])
+        assert override.key_or_group == "ckpt_path" and override.value() == path
+    assert resume_override("/tmp/plain/last.ckpt") == "ckpt_path=/tmp/plain/last.ckpt"

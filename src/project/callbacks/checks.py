@@ -327,6 +327,18 @@ def _log_the_step_cut_short(trainer: L.Trainer) -> None:
     trainer._logger_connector.update_train_step_metrics()
 
 
+def resume_override(path: str) -> str:
+    """`ckpt_path=<path>` as Hydra reads it back: quoted where the path has what its grammar splits on or rejects (a
+    space, a comma, a bracket, a letter outside ASCII), which the shell's quoting alone does not protect."""
+    import re
+
+    if re.fullmatch(r"[\w./\-+:@%]+", path, flags=re.ASCII):
+        return f"ckpt_path={path}"
+    # in Hydra's quotes a backslash is itself, except the ones before a quote or at the end, which are doubled
+    escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, path).replace("'", "\\'")
+    return f"ckpt_path='{escaped}'"
+
+
 def _continue_command(path: str) -> str:
     """For a plain `python train.py` run: that command with the run's own overrides and `ckpt_path=<path>` (a
     resume with other settings, another model or schedule, is refused, so the overrides come along), less those a
@@ -342,7 +354,7 @@ def _continue_command(path: str) -> str:
 
     from project.entry import PROFILE
 
-    resume = f"ckpt_path={path}"
+    resume = resume_override(path)
     started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
     if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or started_by:
         return f"{resume} added to the run's command"
