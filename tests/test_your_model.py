@@ -120,3 +120,20 @@ def test_a_users_module_that_logs_other_names_is_told_the_monitor_setting_that_w
     assert advice == "monitor.metric=train_loss monitor.mode=min"
     followed = cli("train.py", *unmonitored, *advice.split(), cwd=tmp_path / "followed")
     assert followed.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("net", "said"),
+    [
+        ("DictOutCNN", "DictOutCNN returns a dict, not a tensor of class scores (batch, classes)"),
+        ("AuxOutCNN", "AuxOutCNN returns a tuple in training, not a tensor of class scores (batch, classes)"),
+        ("NoWeights", "NoWeights has no weights to train"),
+    ],
+)
+def test_a_net_outside_the_classifiers_contract_is_refused_at_start_in_one_line(cli, tmp_path, net, said):
+    """Each failed in the first step with a traceback (cross_entropy of a dict or a tuple; an optimizer with an empty
+    parameter list) and left a run dir behind; googlenet's training-only tuple passed the start check."""
+    proc = cli("train.py", "model=tiny_cnn", f"model.net._target_=user_models.{net}", "~model.net.width", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
+    assert not (tmp_path / "logs").exists()

@@ -148,3 +148,29 @@ class KeepsItsNet(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class DictOutCNN(TutorialCNN):
+    """A net that returns its logits in a dict (as some libraries' models do): not what a classifier trains on."""
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:  # type: ignore[override]
+        return {"logits": super().forward(x)}
+
+
+class AuxOutCNN(TutorialCNN):
+    """Logits and an auxiliary head's, in training only (torchvision's googlenet and inception_v3 do this)."""
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:  # type: ignore[override]
+        logits = super().forward(x)
+        return (logits, logits.detach()) if self.training else logits
+
+
+class NoWeights(nn.Module):
+    """Nothing to train: a fixed projection of the pixels (a baseline)."""
+
+    def __init__(self, num_classes: int = 10, **_: object) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.flatten(1)[:, : self.num_classes]

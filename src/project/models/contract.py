@@ -49,7 +49,13 @@ def _check_plain(owner: Any, kind: str) -> None:
     )
 
 
-def check(model: Any, datamodule: Any, test: bool = False) -> None:
+def _named(model: Any) -> str:
+    """The user's net inside the template's classifier, else the module itself."""
+    net = getattr(model, "net", None)
+    return type(net if net is not None else model).__name__
+
+
+def check(model: Any, datamodule: Any, test: bool = False, train: bool = True) -> None:
     import lightning.pytorch as L
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -61,6 +67,11 @@ def check(model: Any, datamodule: Any, test: bool = False) -> None:
     if test and not is_overridden("test_step", model):
         raise UserError(
             f"test=true, but {type(model).__name__} defines no test_step: add one, or pass test=false (fit only)"
+        )
+    if train and not any(p.requires_grad for p in model.parameters()):
+        raise UserError(
+            f"{_named(model)} has no weights to train (no parameter that requires a gradient); give it some, or "
+            "evaluate it without training: train=false"
         )
     _check_plain(model, "model's")
     if datamodule is not None:
@@ -111,9 +122,37 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
         model.train(was)
     classes = getattr(datamodule, "num_classes", None)
     wanted = getattr(model, "num_classes", None)
+    from project.models.classifier import ImageClassifier
+
+    if isinstance(model, ImageClassifier):  # it trains on a tensor of class scores; a module of yours, on its own
+        _check_scores(model, weights, x, out)
     if isinstance(classes, int) and isinstance(wanted, int) and isinstance(out, torch.Tensor) and out.dim() == 2:
         if out.shape[1] != classes:
             raise UserError(
                 f"{type(model).__name__} has {out.shape[1]} outputs (model.num_classes={wanted}) but the data has "
                 f"{classes} classes: set model.num_classes={classes}"
             )
+
+
+def _check_scores(model: Any, weights: dict[str, Any], x: Any, out: Any) -> None:
+    """A classifier's forward returns one tensor (batch, classes), in evaluation and in training (torchvision's
+    googlenet and inception_v3 add their auxiliary heads' logits in training only): checked on the meta device."""
+    import torch
+
+    when = ""
+    if isinstance(out, torch.Tensor):
+        was = model.training
+        model.train()
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(model, weights, (x,), strict=False)
+        except Exception:  # what fails only in training: the first step says it
+            return
+        finally:
+            model.train(was)
+        when = " in training"
+    if not isinstance(out, torch.Tensor):
+        raise UserError(
+            f"{_named(model)} returns a {type(out).__name__}{when}, not a tensor of class scores (batch, classes): "
+            "return the logits alone (torchvision's googlenet and inception_v3: aux_logits=False)"
+        )

@@ -50,7 +50,7 @@ def train(cfg: DictConfig) -> float | None:
 
     datamodule = build.datamodule(cfg.data)
     model = build.model(cfg.model)
-    contract.check(model, datamodule, test=cfg.test)
+    contract.check(model, datamodule, test=cfg.test, train=cfg.train)
     contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))
     if ckpt_path:
         checkpoints.check_weights_fit(ckpt_path, resumed, model)
