@@ -226,3 +226,12 @@ def test_data_missing_offline_leaves_no_run_directory_with_the_default_logger(tm
     stopped = run(tmp_path, "train.py", "data=mnist", f"paths.data_dir={tmp_path / 'none'}", *ddp)
     refused(stopped, "MNIST is not in", "data=digits")
     assert not (tmp_path / "logs").exists(), sorted((tmp_path / "logs").rglob("*"))
+
+
+def test_eval_on_data_the_checkpoints_model_cannot_take_is_one_line(trained):
+    """train.py checked this at start; eval.py ran into it in the first batch (a 112-line traceback, a run dir)."""
+    work, run_dir = trained
+    best = next((run_dir / "checkpoints").glob("epoch_*.ckpt"))
+    line = refused(run(work / "eval", "eval.py", f"ckpt_path={best}", "data=digits", "data.channels=3"), "channels")
+    assert line.startswith("error: MLP does not take the data's images (3 channels, 28x28)"), line
+    assert not (work / "eval" / "logs").exists()

@@ -114,7 +114,7 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
         except Exception as e:
             detail = " ".join(str(e).split())[:240]
             raise UserError(
-                f"{type(model).__name__} does not take the data's images ({shape[0]} channels, {shape[1]}x{shape[2]})"
+                f"{_named(model)} does not take the data's images ({shape[0]} channels, {shape[1]}x{shape[2]})"
                 f": {type(e).__name__}: {detail}; make them fit: data.channels and data.image_size, or the model's "
                 "input size in its config"
             ) from e
@@ -128,9 +128,14 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
         _check_scores(model, weights, x, out)
     if isinstance(classes, int) and isinstance(wanted, int) and isinstance(out, torch.Tensor) and out.dim() == 2:
         if out.shape[1] != classes:
+            fix = (
+                f"set model.num_classes={classes}"
+                if wanted != classes  # else the net does not size its last layer from the value it is given
+                else f"make its last layer's size the net's num_classes argument, not {out.shape[1]}"
+            )
             raise UserError(
-                f"{type(model).__name__} has {out.shape[1]} outputs (model.num_classes={wanted}) but the data has "
-                f"{classes} classes: set model.num_classes={classes}"
+                f"{_named(model)} has {out.shape[1]} outputs (model.num_classes={wanted}) but the data has "
+                f"{classes} classes: {fix}"
             )
 
 

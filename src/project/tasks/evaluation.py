@@ -9,6 +9,7 @@ from project import build
 from project.config.schema import check_config
 from project.errors import UserError
 from project.launch import sweeps
+from project.models import contract
 from project.runs import checkpoints
 from project.runs.dirs import make_output_dirs
 from project.runs.results import read_metrics, write_metrics
@@ -43,7 +44,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     model, train_config = checkpoints.load_model(str(path), cfg.trusted_packages)
     build.check(cfg)
     make_output_dirs(cfg)
-    datamodule = build.datamodule(_data_config(cfg, train_config))
+    data_config = _data_config(cfg, train_config)
+    datamodule = build.datamodule(data_config)
+    contract.check_fits(model, datamodule, OmegaConf.to_container(data_config, resolve=True))  # data=... of yours
     callbacks = build.named(cfg.callbacks, "callbacks")
     trainer = build.trainer(cfg.trainer, callbacks, build.named(cfg.logger, "logger"), cfg.launch)
     if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
