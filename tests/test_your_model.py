@@ -141,3 +141,19 @@ def test_a_net_outside_the_classifiers_contract_is_refused_at_start_in_one_line(
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
     assert not (tmp_path / "logs").exists()
+
+
+def test_predict_runs_a_users_module_without_a_predict_step_on_its_images(cli, tmp_path, images):
+    """Lightning's own predict_step hands forward the whole batch, (images, indices): Lightning's README autoencoder
+    failed in its forward (AttributeError: 'list' object has no attribute 'view'). Its forward now gets the images."""
+    from user_models import LIT_AUTOENCODER_3_EPOCHS
+
+    cli("train.py", *LIT_AUTOENCODER_3_EPOCHS, cwd=tmp_path / "train")
+    (run,) = run_dirs(tmp_path / "train" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    cli("predict.py", f"ckpt_path={last}", f"input={images}", "trusted_packages=[user_models]", cwd=tmp_path / "p")
+    (predicted,) = run_dirs(tmp_path / "p" / "logs", task="predict")
+    saved = torch.load(predicted / "predictions.pt", weights_only=True)
+    assert saved["outputs"].shape == (30, 3)  # each image's code, as its forward makes it
+    with open(predicted / "predictions.csv") as f:
+        assert next(csv.reader(f)) == ["file", "output_0", "output_1", "output_2"]

@@ -42,6 +42,22 @@ def input_spec_of(model: Any, config: dict, cfg: DictConfig) -> Any:
     )
 
 
+def _forward_on_images(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """The predict_step of a module that defines none: its forward on the batch's images."""
+    return module(batch[0])
+
+
+def _predict_on_images(model: Any) -> None:
+    """Lightning's own predict_step hands forward the whole batch, here (images, indices), which no forward takes:
+    a module without a predict_step of its own predicts with its forward on the images."""
+    import types
+
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("predict_step", model):
+        model.predict_step = types.MethodType(_forward_on_images, model)
+
+
 def predict(cfg: DictConfig) -> Path:
     """Returns the run directory, which holds predictions.pt (and predictions.csv), written by rank 0."""
     check_config(cfg)
@@ -58,6 +74,7 @@ def predict(cfg: DictConfig) -> Path:
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
     model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
+    _predict_on_images(model)
     inputs = PredictInputs(cfg.input, input_spec_of(model, train_config, cfg), resize=cfg.resize)
     classes = class_names(model, cfg.ckpt_path, train_config)
     build.check(cfg)
