@@ -157,3 +157,19 @@ def test_predict_runs_a_users_module_without_a_predict_step_on_its_images(cli, t
     assert saved["outputs"].shape == (30, 3)  # each image's code, as its forward makes it
     with open(predicted / "predictions.csv") as f:
         assert next(csv.reader(f)) == ["file", "output_0", "output_1", "output_2"]
+
+
+def test_resuming_a_users_module_with_other_arguments_is_refused_in_one_line(cli, tmp_path):
+    """Lightning restores the optimizer as saved: a module of the user's that took a new learning rate on resume
+    trained on at the old one, while its new checkpoints recorded the new. The template's classifier was refused."""
+    from user_models import LIT_AUTOENCODER_3_EPOCHS
+
+    cli("train.py", *LIT_AUTOENCODER_3_EPOCHS, "model.hidden=64", cwd=tmp_path / "train")
+    (run,) = run_dirs(tmp_path / "train" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    resume = [*LIT_AUTOENCODER_3_EPOCHS, f"ckpt_path={last}", "trusted_packages=[user_models]"]
+    proc = cli("train.py", *resume, "model.hidden=32", check=False, cwd=tmp_path / "resumed")
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "was trained with model.hidden=64, this run asks for model.hidden=32" in line
+    assert not (tmp_path / "resumed" / "logs").exists()
+    cli("train.py", *resume, "model.hidden=64", "trainer.max_epochs=4", cwd=tmp_path / "same")  # the same: resumes

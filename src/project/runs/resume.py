@@ -163,6 +163,8 @@ def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
                 f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
                 f"model.{key}={current.get(key)}: resume with the checkpoint's model config"
             )
+    if not str(current.get("_target_", "")).startswith("project.models."):
+        _check_same_settings(path, config["model"], current)
     # Lightning restores the optimizer and scheduler states as saved (learning rate included): a changed setting
     # would be ignored while the new checkpoints recorded it. T_max follows max_epochs: schedule_length's to judge.
     for group in ("optimizer", "scheduler"):
@@ -178,6 +180,21 @@ def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
                 "optimizer and its schedule as they were saved, it cannot take other settings. Resume with the "
                 "checkpoint's, or start a new run"
             )
+
+
+def _check_same_settings(path: str, saved: dict, wanted: dict) -> None:
+    """A module of the user's own: which of its arguments feed configure_optimizers is its own business, and a
+    resume restores the optimizer as saved, so a changed learning rate was ignored while the new checkpoints
+    recorded it. Every argument stays as it was."""
+    saved_flat, wanted_flat = _flat(saved, "model"), _flat(wanted, "model")
+    changed = [k for k in sorted(set(saved_flat) | set(wanted_flat)) if saved_flat.get(k) != wanted_flat.get(k)]
+    if changed:
+        key = changed[0]
+        raise UserError(
+            f"ckpt_path={path} was trained with {key}={saved_flat.get(key)}, this run asks for "
+            f"{key}={wanted_flat.get(key)}: a resume continues the saved run as it was (its weights, and its optimizer "
+            "as saved, learning rate included). Resume with the checkpoint's model config, or start a new run"
+        )
 
 
 def _flat(node: Any, prefix: str) -> dict[str, Any]:
