@@ -247,3 +247,16 @@ def test_the_command_to_continue_quotes_a_path_that_hydra_would_split():
         (override,) = parser.parse_overrides([resume_override(path)])
         assert override.key_or_group == "ckpt_path" and override.value() == path
     assert resume_override("/tmp/plain/last.ckpt") == "ckpt_path=/tmp/plain/last.ckpt"
+
+
+def test_a_sweep_that_a_signal_stops_writes_its_summary(tmp_path):
+    """It ended without Hydra's end-of-sweep callbacks: no summary.md, and nothing said of the jobs not started."""
+    env = {"KILL_AT_STEP": "2", "KILL_SIGNAL": "SIGTERM"}  # the first job stops the sweep
+    proc = train(tmp_path, "-m", *RUN, "seed=1,2,3", env=env, check=False)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    said = proc.stderr.strip().splitlines()
+    assert said[-1] == f"sweep stopped, 2 of 3 jobs not started; summary: {sweep / 'summary.md'}", said
+    assert said[-2].startswith("stopped by SIGTERM at epoch 0, step ")
+    rows = (sweep / "summary.csv").read_text().splitlines()
+    assert len(rows) == 4 and sum("not started" in row for row in rows) == 2 and "interrupted" in rows[1], rows

@@ -99,13 +99,39 @@ def cli(hydra_main: Callable[[], Any]) -> None:
             _remove_unused_sweep_dir()
             exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
     except SystemExit as e:
+        if e.code in _STOPPED:
+            _summary_of_a_stopped_sweep()
         _leave(e.code)
     except KeyboardInterrupt:  # outside a run (between a sweep's jobs, before one starts): nothing of a run to save
         from project.errors import say
 
         say("stopped by SIGINT")
+        _summary_of_a_stopped_sweep()
         _leave(130)
     _leave(0)
+
+
+_STOPPED = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: how a run that a signal stopped exits
+
+
+def _summary_of_a_stopped_sweep() -> None:
+    """A sweep that a signal stopped ends without Hydra's end-of-sweep callbacks: its summary (the finished jobs, the
+    one stopped, those not started) is written here, as at its end."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    sweep_dir = Path(HydraConfig.get().sweep.dir)
+    if not sweep_dir.is_dir() or not any((p / ".hydra").is_dir() for p in sweep_dir.iterdir()):
+        return
+    from project.errors import say
+    from project.runs.summary import write_summary
+
+    try:
+        jobs = write_summary(sweep_dir)
+    except Exception as e:  # the summary is a report: the stop's own line and exit code stand
+        say(f"error: sweep summary of {sweep_dir} failed: {type(e).__name__}: {e}")
+        return
+    left = sum(job.status == "not started" for job in jobs)
+    say(f"sweep stopped, {left} of {len(jobs)} jobs not started; summary: {sweep_dir / 'summary.md'}")
 
 
 def ignore_known_warnings() -> None:
