@@ -173,3 +173,26 @@ def test_resuming_a_users_module_with_other_arguments_is_refused_in_one_line(cli
     assert proc.returncode == 2 and "was trained with model.hidden=64, this run asks for model.hidden=32" in line
     assert not (tmp_path / "resumed" / "logs").exists()
     cli("train.py", *resume, "model.hidden=64", "trainer.max_epochs=4", cwd=tmp_path / "same")  # the same: resumes
+
+
+def test_a_net_with_a_layer_forward_does_not_use_is_refused_in_one_line_by_ddp_and_fsdp(cli, tmp_path):
+    """DDP's error came as a traceback on each rank, naming Lightning's API; the strategy name it suggested built
+    Lightning's own DDP, without the template's (the rank watcher, the rendezvous, the CPU sync BatchNorm)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from project.strategies.ddp import DDPStrategy
+
+    assert StrategyRegistry["ddp_find_unused_parameters_true"]["strategy"] is DDPStrategy
+    net = ["model=tiny_cnn", "model.net._target_=user_models.UnusedHead", "~model.net.width"]
+    args = [*net, "trainer=ddp", "trainer.accelerator=cpu", "trainer.max_epochs=1", "test=false"]
+    proc = cli("train.py", *args, check=False, env={"PROJECT_PROFILE": "tiny"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "trainer.strategy=ddp_find_unused_parameters_true" in errors[0]
+    cli("train.py", *args, "trainer.strategy=ddp_find_unused_parameters_true", env={"PROJECT_PROFILE": "tiny"})
+    # fsdp: the fit ended well, and then none of its checkpoints loaded ("Missing optimizer state for parameter")
+    fsdp = [*net, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.max_epochs=1", "test=false"]
+    proc = cli("train.py", *fsdp, check=False, env={"PROJECT_PROFILE": "tiny"}, cwd=tmp_path / "fsdp")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: trainer=fsdp: net.aux_head.weight, net.aux_head.bias got no gradient in")

@@ -181,3 +181,11 @@ class SevenOutputs(TutorialCNN):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
         super().__init__(in_channels, 7)
+
+
+class UnusedHead(TutorialCNN):
+    """A head built in __init__ that forward never calls (left from an experiment, or used only elsewhere)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__(in_channels, num_classes)
+        self.aux_head = nn.Linear(84, num_classes)

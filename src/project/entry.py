@@ -16,7 +16,15 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.errors import UserError, disk_error_in, exit_with, missing_compile_backend_in, run_log, user_error_in
+from project.errors import (
+    UserError,
+    disk_error_in,
+    exit_with,
+    missing_compile_backend_in,
+    run_log,
+    unused_parameters_in,
+    user_error_in,
+)
 from project.launch import environment, sweeps
 from project.launch.sweeps import record_failure
 from project.runs.dirs import remove_if_unused
@@ -283,7 +291,7 @@ def run(task: str, cfg: DictConfig) -> Any:
         except Exception as e:
             if full_error():
                 raise
-            e = missing_compile_backend_in(e) or e
+            e = missing_compile_backend_in(e) or unused_parameters_in(e) or e
             if hc.mode == RunMode.MULTIRUN:
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None

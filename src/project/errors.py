@@ -123,6 +123,19 @@ def missing_compile_backend_in(error: BaseException) -> UserError | None:
     return None
 
 
+def unused_parameters_in(error: BaseException) -> UserError | None:
+    """DDP with a parameter that produced no gradient in a step (a layer forward does not call): Lightning says so
+    in a traceback on every rank, naming settings of its own API. One line, in the template's words."""
+    for e in _chain(error):
+        if isinstance(e, RuntimeError) and "parameters that were not used in producing the loss" in str(e):
+            return UserError(
+                "a parameter of the model got no gradient in a training step (a layer forward does not use), which "
+                "ddp needs unless told: remove what forward does not use, or pass "
+                "trainer.strategy=ddp_find_unused_parameters_true (it searches the graph for them at every step)"
+            )
+    return None
+
+
 def _chain(error: BaseException | None, causes_only: bool = False) -> Iterator[BaseException]:
     """`error`, its cause (or context), theirs, ...; each once: a chain may lead back into itself (an error raised
     while another is reported, that one's cause: Lightning's logging on a disk made read-only)."""

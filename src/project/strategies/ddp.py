@@ -74,6 +74,15 @@ class DDPStrategy(LightningDDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+            for find in (True, False):  # Lightning's names for the setting: the template's strategy under them too
+                strategy_registry.register(
+                    f"{name}_find_unused_parameters_{str(find).lower()}",
+                    cls,
+                    description=f"DDP ({start_method}), find_unused_parameters={find}",
+                    override=True,
+                    start_method=start_method,
+                    find_unused_parameters=find,
+                )
 
 
 _STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: a rank's exit after a signal stopped the run

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 
+from project.errors import UserError
 from project.launch.ranks import RankWatchingLauncher
 from project.runs.atomic_io import fsync_dir
 from project.strategies import parallelize, rendezvous
@@ -108,6 +109,27 @@ class FSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def post_backward(self, closure_loss: Any) -> None:
+        """After the first backward: a parameter without a gradient (a layer forward does not use) never gets an
+        optimizer state under FSDP, and every checkpoint of the run then fails to load ("Missing optimizer state
+        for parameter"), though the fit itself ends well. Refused at the first step instead, on every rank."""
+        super().post_backward(closure_loss)
+        if getattr(self, "_gradients_checked", False):
+            return
+        self._gradients_checked = True
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:  # a loss of its own per optimizer (a GAN's): not ours
+            return
+        params = self.lightning_module.named_parameters()
+        missing = [name for name, p in params if p.requires_grad and p.grad is None]
+        if missing:
+            raise UserError(
+                f"trainer=fsdp: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} got no gradient in the "
+                "first training step (forward does not use it): under fsdp it would get no optimizer state, and no "
+                "checkpoint of this run could be loaded. Remove what forward does not use, or train it with "
+                "trainer.strategy=ddp_find_unused_parameters_true"
+            )
 
     def _setup_distributed(self) -> None:
         # ModelParallelStrategy's own, with our rendezvous in place of _init_dist_connection
