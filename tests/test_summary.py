@@ -119,3 +119,21 @@ def test_a_job_killed_during_its_test_is_unfinished_not_ok(tmp_path: Path):
     (tmp_path / "0" / "test_metrics.json").write_text(json.dumps({"status": "ok", "test/acc": 0.8}))
     jobs, _ = read_sweep(tmp_path)
     assert sorted((job.name, job.status) for job in jobs) == [("0", "ok"), ("1", "unfinished"), ("2", "ok")]
+
+
+def test_a_sharded_jobs_epochs_are_read_from_its_checkpoint_folder(tmp_path: Path):
+    """fsdp's last.ckpt is a folder of shards and a meta.pt: its row's epochs were blank."""
+    import torch
+
+    from project.runs.summary import read_sweep
+
+    progress = {"fit_loop": {"epoch_progress": {"current": {"processed": 3}}}}
+    for name in ("0", "1"):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / "fit_metrics.json").write_text(json.dumps({"status": "ok", "best/val/acc": 0.9}))
+    (tmp_path / "0" / "checkpoints" / "last.ckpt").mkdir(parents=True)  # fsdp's
+    torch.save({"epoch": 2, "loops": progress}, tmp_path / "0" / "checkpoints" / "last.ckpt" / "meta.pt")
+    (tmp_path / "1" / "checkpoints").mkdir()
+    torch.save({"epoch": 2, "loops": progress}, tmp_path / "1" / "checkpoints" / "last.ckpt")  # one file
+    jobs, _ = read_sweep(tmp_path)
+    assert [job.epochs for job in jobs] == [3, 3]

@@ -58,14 +58,13 @@ def _epochs(job_dir: Path) -> int | None:
     """Epochs trained whole, as last.ckpt says (rewritten after every epoch; an interrupted job's may be from within
     one)."""
     last = job_dir / "checkpoints" / "last.ckpt"
-    if not last.is_file():
+    if not last.exists():
         return None
     try:
-        import torch
-
+        from project.runs import checkpoints
         from project.runs.resume import epochs_trained
 
-        return epochs_trained(torch.load(last, map_location="cpu", weights_only=True, mmap=True))
+        return epochs_trained(checkpoints.load(last, mmap=True))  # a file, or fsdp's folder of shards (its meta.pt)
     except Exception:  # a torn or foreign file: the row says "?" rather than the summary failing
         return None
 
