@@ -128,6 +128,7 @@ def test_a_users_module_that_logs_other_names_is_told_the_monitor_setting_that_w
         ("DictOutCNN", "DictOutCNN returns a dict, not a tensor of class scores (batch, classes)"),
         ("AuxOutCNN", "AuxOutCNN returns a tuple in training, not a tensor of class scores (batch, classes)"),
         ("NoWeights", "NoWeights has no weights to train"),
+        ("TakesTwo", "TakesTwo's forward takes more than the images (TypeError: "),  # "fix data.channels"
         (  # it said "set model.num_classes=10", the value already set
             "SevenOutputs",
             "SevenOutputs has 7 outputs (model.num_classes=10) but the data has 10 classes: make its last layer's",

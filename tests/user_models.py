@@ -189,3 +189,10 @@ class UnusedHead(TutorialCNN):
     def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
         super().__init__(in_channels, num_classes)
         self.aux_head = nn.Linear(84, num_classes)
+
+
+class TakesTwo(TutorialCNN):
+    """A forward with a second input (a mask, a condition) and no default for it."""
+
+    def forward(self, x: Tensor, scale: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(x) * scale

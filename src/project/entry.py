@@ -46,6 +46,11 @@ def _one_line(text: str) -> str:
 
 def _composition_error(e: CompactHydraException) -> str:
     """Hydra's message plus OmegaConf's cause in one line, with a close key when a key was mistyped."""
+    group = re.match(r"Could not override '([\w.]+)'\. No match in the defaults list", str(e))
+    if group is not None:  # Hydra's advice, `+model=...`, fails too: the command has no such group
+        script = Path(sys.argv[0]).name
+        where = "; the model comes from the checkpoint (ckpt_path)" if group.group(1) == "model" else ""
+        return f"{group.group(1)}=...: {script} takes no {group.group(1)} option{where}"
     cause = e.__cause__
     parent = getattr(cause, "parent_node", None)
     key = getattr(cause, "key", None)

@@ -113,10 +113,16 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
                 out = model(torch.zeros(2, *shape))
         except Exception as e:
             detail = " ".join(str(e).split())[:240]
+            if isinstance(e, TypeError) and "required positional argument" in str(e):  # forward(x, y): not the data
+                raise UserError(
+                    f"{_named(model)}'s forward takes more than the images ({type(e).__name__}: {detail}); the "
+                    "classifier calls net(images): give the other arguments defaults, or compute them inside"
+                ) from e
+            settable = [f"data.{key}" for key in ("channels", "image_size") if key in (data_config or {})]
+            data_side = " and ".join(settable) + ", or " if settable else ""
             raise UserError(
                 f"{_named(model)} does not take the data's images ({shape[0]} channels, {shape[1]}x{shape[2]})"
-                f": {type(e).__name__}: {detail}; make them fit: data.channels and data.image_size, or the model's "
-                "input size in its config"
+                f": {type(e).__name__}: {detail}; make them fit: {data_side}the model's input size in its config"
             ) from e
     finally:
         model.train(was)
