@@ -293,10 +293,10 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
     )
     assert shlex.split(said) == [
         "python", "train.py", "model=mlp", "logger=[tensorboard,mlflow]", "+trainer.limit_train_batches=8",
-        "ckpt_path=/runs/a b/last.ckpt",
+        "ckpt_path='/runs/a b/last.ckpt'",  # Hydra's quotes inside the shell's: the space would split it
     ]  # fmt: skip
     assert "profile=tiny" in command("model=mlp", "profile=tiny")  # chosen on the command line: kept
-    added = "ckpt_path=/runs/a b/last.ckpt added to the run's command"
+    added = "ckpt_path='/runs/a b/last.ckpt' added to the run's command"
     assert command("model=mlp", mode=RunMode.MULTIRUN) == added
     assert command("model=mlp", "tune=lr", "tune.apply=true") == added
     assert command("model=mlp", SLURM_JOB_ID="7") == command("model=mlp", TORCHELASTIC_RUN_ID="x") == added
