@@ -63,16 +63,21 @@ def cli_env(**extra: str) -> dict[str, str]:
 # workers in collection order, and a long file started last would run alone at the end on an idle core.
 LONGEST_FIRST = (
     "test_readme.py",
+    "test_trainer_options.py",
+    "test_cli.py",
+    "test_your_model.py",
     "test_readme_second_half.py",
     "test_fault_tolerance.py",
     "test_signals.py",
     "test_slurm.py",
-    "test_pipeline.py",
-    "test_your_model.py",
-    "test_cli.py",
-    "test_optuna.py",
-    "test_export.py",
     "test_config.py",
+    "test_trackers.py",
+    "test_hostile.py",
+    "test_parallel_sweeps.py",
+    "test_pipeline.py",
+    "test_export.py",
+    "test_optuna.py",
+    "test_tensorboard.py",
 )
 
 
