@@ -206,3 +206,13 @@ def test_a_net_with_a_layer_forward_does_not_use_is_refused_in_one_line_by_ddp_a
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors[0].startswith("error: trainer=fsdp: net.aux_head.weight, net.aux_head.bias got no gradient in")
+
+
+def test_fsdp_keeps_tied_weights_in_one_unit(cli, tmp_path):
+    """A decoder sharing the encoder's weight: the default policy made each layer a unit, and torch refused the
+    split ("is shared with a parameter already managed by another FSDP group"), in a traceback on every rank."""
+    net = ["model=tiny_cnn", "model.net._target_=user_models.TiedAutoEncoderNet", "~model.net.width"]
+    fsdp = [*net, "~model.net.in_channels", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.max_epochs=1"]
+    cli("train.py", *fsdp, env={"PROJECT_PROFILE": "tiny"})
+    (run,) = run_dirs(tmp_path / "logs")
+    assert json.loads((run / "test_metrics.json").read_text())["status"] == "ok"

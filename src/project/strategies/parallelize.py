@@ -187,6 +187,29 @@ def fsdp_units(net: nn.Module, units: Sequence[str] | None = None) -> list[tuple
     return _repeated_blocks(net) or _top_blocks(net)
 
 
+def _tied_together(units: list[nn.Module]) -> list[list[nn.Module]]:
+    """The units in groups that share no parameter with another group: tied weights (a decoder using the encoder's,
+    an output layer the embedding's) must be in one FSDP group, which torch refuses to split ("is shared with a
+    parameter already managed by another FSDP group")."""
+    groups: list[list[nn.Module]] = []
+    owners: dict[int, int] = {}  # a parameter's id -> its group
+    for unit in units:
+        ids = {id(p) for p in unit.parameters()}
+        joined = sorted({owners[i] for i in ids if i in owners})
+        if not joined:
+            groups.append([unit])
+            target = len(groups) - 1
+        else:
+            target = joined[0]
+            for other in joined[1:]:
+                groups[target] += groups[other]
+                groups[other] = []
+            groups[target].append(unit)
+        for i in {*ids, *(id(p) for m in groups[target] for p in m.parameters())}:
+            owners[i] = target
+    return [group for group in groups if group]
+
+
 def shard(module: nn.Module, net: nn.Module, mesh: Any, units: Sequence[str] | None = None) -> None:
     """FSDP2 over the LightningModule's net: each unit, then the net (its remaining parameters: stem, head).
     When the net is the LightningModule itself, its top-level children are sharded instead of it, so that a
@@ -200,8 +223,8 @@ def shard(module: nn.Module, net: nn.Module, mesh: Any, units: Sequence[str] | N
     for _, unit in found:
         kinds[type(unit).__name__] = kinds.get(type(unit).__name__, 0) + 1
     holder = type(net).__name__
-    for _, unit in found:
-        fully_shard(unit, mesh=mesh)
+    for group in _tied_together([unit for _, unit in found]):
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
     covered = {id(p) for _, unit in found for p in unit.parameters()}
     rest = [n for n, p in net.named_parameters() if id(p) not in covered]
     if net is not module:
