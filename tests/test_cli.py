@@ -60,12 +60,13 @@ BAD_INPUTS = [
     ),
     ("train.py", ["precision=16"], "precision=16: precision is a config group, which takes the name of an option: "),
     ("train.py", ["model=1"], "model=1: model is a config group, which takes the name of an option: autoencoder,"),
-    ("train.py", ["-m", "model=mlp,nope"], "Could not find 'model/nope'"),
+    ("train.py", ["-m", "model=mlp,nope"], "Could not find 'model/nope'"),  # left the sweep dir, multirun.yaml in it
     (  # Hydra's advice was +model=mlp, which fails too
         "eval.py",
         ["ckpt_path=x.ckpt", "model=mlp"],
-        "model=...: eval.py takes no model option; the model comes from the checkpoint (ckpt_path)",
-    ),  # left the sweep dir, multirun.yaml in it
+        "model=...: eval.py takes the model from the checkpoint (ckpt_path), not model=",
+    ),
+    ("train.py", ["precision=inf"], "precision=inf: precision is a config group, which takes the name of an option"),
     ("train.py", ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0: must be at least 1"),
     ("train.py", ["model.compile=nonsense"], "compile='nonsense' is not a torch.compile backend"),
     ("train.py", ["model.net.hidden=0"], "model: ValueError: widths must be >= 1"),

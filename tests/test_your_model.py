@@ -52,6 +52,12 @@ def test_trains_resumes_evaluates_predicts_and_exports(cli, tmp_path, images, ki
         env=TINY, cwd=tmp_path / "resume")  # fmt: skip
     (resumed,) = run_dirs(tmp_path / "resume" / "logs")
     assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1  # the second epoch
+    if kind == "autoencoder":  # its lr feeds its configure_optimizers: a new one would be ignored on resume
+        last = run / "checkpoints" / "last.ckpt"
+        refused = cli("train.py", *model, f"ckpt_path={last}", "model.lr=0.01", check=False, env=TINY, cwd=tmp_path)
+        assert refused.returncode == 2 and "was trained with model.lr=0.002, this run asks for model.lr=0.01" in (
+            refused.stderr
+        )
 
     cli("eval.py", f"ckpt_path={best}", *trust, env=TINY, cwd=tmp_path / "eval")
     (evaluated,) = run_dirs(tmp_path / "eval" / "logs", task="eval")
@@ -116,7 +122,7 @@ def test_a_users_module_that_logs_other_names_is_told_the_monitor_setting_that_w
     proc = cli("train.py", *unmonitored, check=False)
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "which LitAutoEncoder never logged; it logged: lr-Adam, train_loss." in line
-    advice = line.split("e.g. ")[1].split(", or log it")[0]
+    advice = line.split("e.g. ")[1].split(", or log one")[0]
     assert advice == "monitor.metric=train_loss monitor.mode=min"
     followed = cli("train.py", *unmonitored, *advice.split(), cwd=tmp_path / "followed")
     assert followed.returncode == 0
@@ -161,12 +167,17 @@ def test_predict_runs_a_users_module_without_a_predict_step_on_its_images(cli, t
     cli("train.py", *LIT_AUTOENCODER_3_EPOCHS, cwd=tmp_path / "train")
     (run,) = run_dirs(tmp_path / "train" / "logs")
     last = run / "checkpoints" / "last.ckpt"
-    cli("predict.py", f"ckpt_path={last}", f"input={images}", "trusted_packages=[user_models]", cwd=tmp_path / "p")
+    predict = ["predict.py", f"ckpt_path={last}", f"input={images}", "trusted_packages=[user_models]"]
+    cli(*predict, cwd=tmp_path / "p")
     (predicted,) = run_dirs(tmp_path / "p" / "logs", task="predict")
     saved = torch.load(predicted / "predictions.pt", weights_only=True)
     assert saved["outputs"].shape == (30, 3)  # each image's code, as its forward makes it
     with open(predicted / "predictions.csv") as f:
         assert next(csv.reader(f)) == ["file", "output_0", "output_1", "output_2"]
+    # the module travels to ddp_spawn's workers as a pickle, with the predict_step it was given
+    cli(*predict, "trainer.strategy=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2", cwd=tmp_path / "s")
+    (spawned,) = run_dirs(tmp_path / "s" / "logs", task="predict")
+    torch.testing.assert_close(torch.load(spawned / "predictions.pt", weights_only=True)["outputs"], saved["outputs"])
 
 
 def test_resuming_a_users_module_with_other_arguments_is_refused_in_one_line(cli, tmp_path):

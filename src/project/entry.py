@@ -46,11 +46,8 @@ def _one_line(text: str) -> str:
 
 def _composition_error(e: CompactHydraException) -> str:
     """Hydra's message plus OmegaConf's cause in one line, with a close key when a key was mistyped."""
-    group = re.match(r"Could not override '([\w.]+)'\. No match in the defaults list", str(e))
-    if group is not None:  # Hydra's advice, `+model=...`, fails too: the command has no such group
-        script = Path(sys.argv[0]).name
-        where = "; the model comes from the checkpoint (ckpt_path)" if group.group(1) == "model" else ""
-        return f"{group.group(1)}=...: {script} takes no {group.group(1)} option{where}"
+    if str(e).startswith("Could not override 'model'. No match in the defaults list"):  # eval, predict, export
+        return f"model=...: {Path(sys.argv[0]).name} takes the model from the checkpoint (ckpt_path), not model="
     cause = e.__cause__
     parent = getattr(cause, "parent_node", None)
     key = getattr(cause, "key", None)
@@ -77,7 +74,8 @@ def _group_given_a_value(error: BaseException) -> UserError | None:
     conf = Path(sys.argv[0]).resolve().parent / "conf"
     for arg in sys.argv[1:]:
         key, given, value = arg.lstrip("+~").partition("=")
-        not_a_name = re.fullmatch(r"[-+]?[\d.e_]+|true|false|null", value, flags=re.IGNORECASE)
+        number = r"[-+]?(\d[\d_]*(\.\d*)?|\.\d+)(e[-+]?\d+)?|[-+]?(inf|nan)"
+        not_a_name = re.fullmatch(rf"{number}|true|false|null", value, flags=re.IGNORECASE)
         if given and not_a_name and (conf / key).is_dir():
             options = ", ".join(sorted(p.stem for p in (conf / key).glob("*.yaml")))
             return UserError(f"{key}={value}: {key} is a config group, which takes the name of an option: {options}")

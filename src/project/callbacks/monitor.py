@@ -71,13 +71,14 @@ class Monitor(L.Callback):
         for who, metric in self._watchers(trainer, at_epoch_end):
             if metric not in trainer.callback_metrics:
                 module = type(trainer.lightning_module).__name__
-                scores = [m for m in logged if not m.startswith("lr-")] or ["val/loss"]  # not a learning rate
-                some = next((m for m in scores if "val" in m), scores[0])
-                example = f"monitor.metric={some} monitor.mode={'min' if 'loss' in some else 'max'}"
+                scores = [m for m in logged if not m.startswith("lr-")]  # not a learning rate
+                some = next((m for m in scores if "val" in m), scores[0] if scores else None)
+                lower = some is not None and any(word in some for word in ("loss", "err", "mae", "mse", "rmse"))
+                example = f", e.g. monitor.metric={some} monitor.mode={'min' if lower else 'max'}" if some else ""
                 raise UserError(
                     f"{who} watches {metric!r}, which {module} never logged; it logged: "
-                    f"{', '.join(logged) or 'nothing'}. Set monitor.metric to one of these (and monitor.mode to "
-                    f"max or min), e.g. {example}, or log it with self.log"
+                    f"{', '.join(logged) or 'nothing'}. Set monitor.metric to a score it logs (and monitor.mode to "
+                    f"max or min){example}, or log one with self.log"
                 )
 
     def _update(self, trainer: L.Trainer) -> None:

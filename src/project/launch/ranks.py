@@ -56,20 +56,30 @@ def dead_rank(wait_s: float = 1.0) -> str | None:
 _GRACE_S = 5.0  # how long a child's exit 2 waits for rank 0 to end on the same mistake
 
 
-def _last_error(log: Path) -> str | None:
-    """The line a rank said as it ended (`... [ERROR] - error: <line>`, project.errors.say), from its log."""
+def _last_error(log: Path, since: int) -> str | None:
+    """The line a rank said as it ended (`... [ERROR] - error: <line>`, project.errors.say), from what its log got
+    after byte `since` (what an earlier run in the same directory wrote there is not this rank's)."""
     try:
-        lines = log.read_text(errors="replace").splitlines()[-50:]
+        with log.open("rb") as f:
+            f.seek(since)
+            lines = f.read().decode(errors="replace").splitlines()[-50:]
     except OSError:
         return None
     said = [line.split("[ERROR] - error: ", 1)[1] for line in lines if "[ERROR] - error: " in line]
     return said[-1] if said else None
 
 
+def _log_of(rank: int) -> Path:
+    run_dir = _run_dir()
+    return run_dir / f"train_ddp_process_{rank}.log" if run_dir else Path(f"train_ddp_process_{rank}.log")
+
+
 class _Watcher(threading.Thread):
     def __init__(self, procs: list[Any]) -> None:
         super().__init__(daemon=True, name="rank-watcher")
         self.procs = procs
+        # where each rank's log ends as it starts: a line before that is an earlier run's (a resume in the same dir)
+        self.log_sizes = {r: _log_of(r).stat().st_size for r in range(1, len(procs) + 1) if _log_of(r).is_file()}
 
     def run(self) -> None:
         while True:
@@ -79,9 +89,8 @@ class _Watcher(threading.Thread):
                 return  # every child finished well
             for rank, (proc, code) in enumerate(zip(self.procs, codes), start=1):
                 if code:
-                    run_dir = _run_dir()
-                    log = f"{run_dir}/train_ddp_process_{rank}.log" if run_dir else f"train_ddp_process_{rank}.log"
-                    said = _last_error(Path(log))
+                    log = _log_of(rank)
+                    said = _last_error(log, self.log_sizes.get(rank, 0)) if code > 0 else None  # not after a signal
                     reason = f"{_describe(code)}: {said}" if said else _describe(code)
                     _dead.append(f"rank {rank} (pid {proc.pid}) died ({reason}); its log: {log}")
                     if code == 2 and said:  # a mistake, which rank 0 may have found too: its own line comes first

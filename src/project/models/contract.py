@@ -49,6 +49,19 @@ def _check_plain(owner: Any, kind: str) -> None:
     )
 
 
+def _takes_more_than_images(model: Any) -> bool:
+    """The net's forward has a second argument without a default (the classifier calls net(images))."""
+    import inspect
+
+    net = getattr(model, "net", model)
+    try:
+        parameters = list(inspect.signature(net.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in parameters) > 1
+
+
 def _named(model: Any) -> str:
     """The user's net inside the template's classifier, else the module itself."""
     net = getattr(model, "net", None)
@@ -113,7 +126,7 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
                 out = model(torch.zeros(2, *shape))
         except Exception as e:
             detail = " ".join(str(e).split())[:240]
-            if isinstance(e, TypeError) and "required positional argument" in str(e):  # forward(x, y): not the data
+            if _takes_more_than_images(model):  # forward(x, mask): not something the data can fix
                 raise UserError(
                     f"{_named(model)}'s forward takes more than the images ({type(e).__name__}: {detail}); the "
                     "classifier calls net(images): give the other arguments defaults, or compute them inside"

@@ -50,12 +50,12 @@ def _forward_on_images(module: Any, batch: Any, *args: Any, **kwargs: Any) -> An
 def _predict_on_images(model: Any) -> None:
     """Lightning's own predict_step hands forward the whole batch, here (images, indices), which no forward takes:
     a module without a predict_step of its own predicts with its forward on the images."""
-    import types
+    import functools
 
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    if not is_overridden("predict_step", model):
-        model.predict_step = types.MethodType(_forward_on_images, model)
+    if not is_overridden("predict_step", model):  # a partial: it pickles with the module (ddp_spawn's workers)
+        model.predict_step = functools.partial(_forward_on_images, model)
 
 
 def predict(cfg: DictConfig) -> Path:
