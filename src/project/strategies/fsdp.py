@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
@@ -123,7 +124,10 @@ class FSDPStrategy(ModelParallelStrategy):
             return
         params = self.lightning_module.named_parameters()
         missing = [name for name, p in params if p.requires_grad and p.grad is None]
-        if missing:
+        anywhere = torch.tensor(float(bool(missing)), device=self.root_device)
+        torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX)  # every rank refuses, or none
+        if anywhere.item():
+            missing = missing or ["a parameter on another rank"]
             raise UserError(
                 f"trainer=fsdp: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} got no gradient in the "
                 "first training step (forward does not use it): under fsdp it would get no optimizer state, and no "
