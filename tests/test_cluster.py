@@ -80,6 +80,10 @@ def test_devices_must_match_what_the_launcher_started(clean_env):
         processes.check_process_count(4, 1, "ddp_spawn")
     with pytest.raises(UserError, match="dp runs its own processes, but torchrun already started 4"):
         processes.check_process_count(4, 1, "dp")
+    for forked in ("ddp_fork", "ddp_notebook_find_unused_parameters_true", "ddp_spawn_find_unused_parameters_false"):
+        with pytest.raises(UserError, match=f"trainer.strategy={forked} runs its own processes"):
+            processes.check_process_count(4, 1, forked)
+    processes.check_process_count(4, 1, "ddp_find_unused_parameters_true")  # started by torchrun: fine
     clean_env.delenv("TORCHELASTIC_RUN_ID")
     for k, v in {"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "t", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2"}.items():
         clean_env.setenv(k, v)

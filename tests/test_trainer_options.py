@@ -90,6 +90,20 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
     assert not dist.is_initialized()
 
 
+def test_unused_parameters_are_told_the_setting_of_the_ddp_flavour_in_use():
+    """Lightning's message names its own API; the fix named ddp's setting whatever the flavour (a spawned worker's
+    error also came back as a traceback: it is a UserError there now, said by the main process)."""
+    from project.errors import unused_parameters_in, user_error_in_traceback
+
+    lightning_says = RuntimeError("It looks like your LightningModule has parameters that were not used in producing the loss returned by training_step.")  # fmt: skip  # noqa: E501
+    for flavour in ("ddp", "ddp_spawn", "ddp_fork"):
+        error = unused_parameters_in(lightning_says, flavour)
+        assert error is not None and f"trainer.strategy={flavour}_find_unused_parameters_true" in str(error)
+    text = f"Traceback (most recent call last):\nproject.errors.UserError: {unused_parameters_in(lightning_says)}"
+    assert str(user_error_in_traceback(text)) == str(unused_parameters_in(lightning_says))
+    assert unused_parameters_in(RuntimeError("another error")) is None
+
+
 def test_a_mistake_in_a_spawned_worker_ends_the_run_as_the_same_error():
     """torch sends a worker's error back as the text of its traceback: a UserError in it is rebuilt (class and
     message), to be said in one line; a bug, or an error raised while one was handled, keeps its traceback."""

@@ -123,15 +123,16 @@ def missing_compile_backend_in(error: BaseException) -> UserError | None:
     return None
 
 
-def unused_parameters_in(error: BaseException) -> UserError | None:
+def unused_parameters_in(error: BaseException, strategy: str = "ddp") -> UserError | None:
     """DDP with a parameter that produced no gradient in a step (a layer forward does not call): Lightning says so
-    in a traceback on every rank, naming settings of its own API. One line, in the template's words."""
+    in a traceback on every rank, naming settings of its own API. One line, in the template's words; `strategy`:
+    the ddp flavour the run uses (ddp, ddp_spawn, ddp_fork), whose name the fix takes."""
     for e in _chain(error):
         if isinstance(e, RuntimeError) and "parameters that were not used in producing the loss" in str(e):
             return UserError(
-                "a parameter of the model got no gradient in a training step (a layer forward does not use), which "
-                "ddp needs unless told: remove what forward does not use, or pass "
-                "trainer.strategy=ddp_find_unused_parameters_true (it searches the graph for them at every step)"
+                f"a parameter of the model got no gradient in a training step (a layer forward does not use), which "
+                f"{strategy} needs unless told: remove what forward does not use, or pass "
+                f"trainer.strategy={strategy}_find_unused_parameters_true (it searches the graph for them every step)"
             )
     return None
 

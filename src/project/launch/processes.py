@@ -37,7 +37,8 @@ def check_process_count(devices: Any, num_nodes: int, strategy: Any) -> None:
         fix = "trainer.devices=<--ntasks-per-node> trainer.num_nodes=<--nodes>"
     else:
         return
-    if isinstance(strategy, str) and ("spawn" in strategy or strategy in ("ddp_fork", "ddp_notebook", "dp")):
+    forks = strategy.startswith(("ddp_fork", "ddp_notebook")) if isinstance(strategy, str) else False  # and _find_..
+    if isinstance(strategy, str) and ("spawn" in strategy or forks or strategy == "dp"):
         raise UserError(
             f"trainer.strategy={strategy} runs its own processes, but {launcher} already started "
             f"{started}: use trainer.strategy=ddp (or fsdp)"

@@ -15,7 +15,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-from project.errors import user_error_in_traceback
+from project.errors import unused_parameters_in, user_error_in_traceback
 from project.launch.ranks import RankWatchingLauncher
 from project.strategies import rendezvous
 
@@ -182,6 +182,10 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             with run_log():  # the line that stops a run goes to the log too, as in the process that started it
                 super()._wrapping_function(process_idx, *args, **kwargs)
         except Exception as e:
+            flavour = "ddp_spawn" if self._start_method == "spawn" else "ddp_fork"
+            unused = unused_parameters_in(e, flavour)
+            if unused is not None:
+                raise unused from None  # the main process says it in one line (user_error_in_traceback)
             if self._strategy.global_rank == 0 or not lost_connection(e):
                 raise
             # Rank 0 ended (on an error the main process reports): this worker's error, sent first, would take its
