@@ -155,6 +155,23 @@ def test_a_net_torch_fx_cannot_trace_is_refused_in_one_line_and_leaves_keep_it_w
     _trainer(strategy=PipeStrategy(leaves=["Gated"]), limit_val_batches=0).fit(model, DigitsDataModule(batch_size=8))
 
 
+def test_a_net_that_changes_its_own_buffer_in_forward_is_refused_and_left_as_it_was():
+    """`self.steps += 1` in forward ran once, on the real buffer, while the net was traced, and never again: the
+    stages run the trace. The count stayed at 1 under pipe and pipeline, without a word."""
+    from user_models import CountsItsSteps
+
+    from project.strategies import split
+
+    net = CountsItsSteps()
+    with pytest.raises(UserError, match=r"its forward changes its own buffer 'steps' in Python code of its own"):
+        split.trace(net, training=True)
+    assert int(net.steps) == 0  # put back as it was
+    split.trace(net, training=False)  # in eval mode it changes nothing: traced as it is
+    model = ImageClassifier(net=CountsItsSteps(), optimizer=partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(UserError, match="cannot cut CountsItsSteps into stages: its forward changes"):
+        _trainer(strategy=PipeStrategy(), limit_val_batches=0).fit(model, DigitsDataModule(batch_size=8))
+
+
 def test_a_training_step_that_never_calls_the_net_is_refused():
     class Direct(ImageClassifier):
         def training_step(self, batch, batch_idx):

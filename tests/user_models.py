@@ -213,3 +213,16 @@ class TiedAutoEncoderNet(nn.Module):
         code = torch.relu(self.enc(x.flatten(1)))
         recon = F.linear(code, self.dec.weight.t(), self.dec.bias)
         return self.head(code) + 0.0 * recon.mean()
+
+
+class CountsItsSteps(TutorialCNN):
+    """Counts its training forwards in a buffer of its own, in its own forward (a warm-up schedule, say)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__(in_channels, num_classes)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.steps += 1
+        return super().forward(x)

@@ -95,14 +95,37 @@ def trace(net: nn.Module, training: bool, leaves: Sequence[str] = ()) -> fx.Grap
     was = net.training
     tracer = _Tracer(leaves)
     net.train(training)
+    buffers = {name: (b, b._version, b.detach().clone()) for name, b in net.named_buffers()}
     try:
-        return tracer.trace(net, concrete_args=_concrete_args(net) or None)
+        graph = tracer.trace(net, concrete_args=_concrete_args(net) or None)
     except UserError:
         raise
     except Exception as e:
         raise _failure(net, tracer, e) from e
     finally:
         net.train(was)
+        changed = _put_back_changed(net, buffers)
+    if changed:
+        raise UserError(
+            f"cannot cut {type(net).__name__} into stages: its forward changes its own buffer {changed[0]!r} in "
+            "Python code of its own (`self.count += 1`), which the stages, made from a trace of forward, would not "
+            "repeat; do it inside a layer of the net (a module whose forward it is), or in the LightningModule"
+        )
+    return graph
+
+
+def _put_back_changed(net: nn.Module, buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor]]) -> list[str]:
+    """Buffers the trace changed (run on the real tensors, not recorded in the graph), put back as they were."""
+    changed = []
+    for name, (tensor, version, value) in buffers.items():
+        now = net.get_buffer(name)
+        if now is not tensor or tensor._version != version:
+            changed.append(name)
+            with torch.no_grad():
+                tensor.copy_(value)
+            owner, _, leaf = name.rpartition(".")
+            net.get_submodule(owner)._buffers[leaf] = tensor
+    return changed
 
 
 def _body(graph: fx.Graph) -> list[fx.Node]:
