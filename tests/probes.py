@@ -29,6 +29,17 @@ def run_seed(trainer) -> object:
     return found.config.get("seed")
 
 
+class SlowSetupDigits(DigitsDataModule):
+    """Digits whose setup says so ($PROBE_DIR/setup_<rank>) and then takes 5 s: a window before the run's signal
+    handlers are in place (a callback's setup comes after the data's)."""
+
+    def setup(self, stage: str) -> None:
+        rank = self.trainer.global_rank if self.trainer else 0
+        (probe_dir() / f"setup_{rank}").write_text(str(os.getpid()))
+        time.sleep(5)
+        super().setup(stage)
+
+
 class CountingDigits(DigitsDataModule):
     """Digits that append a line per prepare_data call, naming the calling rank."""
 

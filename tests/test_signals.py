@@ -235,6 +235,21 @@ def test_a_signal_to_ddp_spawns_main_process_stops_its_workers_as_under_ddp(tmp_
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+def test_a_signal_to_ddp_spawns_main_process_as_its_workers_start_ends_the_run_in_one_line(tmp_path):
+    """Passed on before a worker had the run's handlers, it ended that worker (-15), and the main process took that
+    for a failure: torch's ProcessExitedException traceback, exit 1."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    args = [*RUN, "trainer=ddp_spawn", "trainer.accelerator=cpu", "data._target_=probes.SlowSetupDigits"]
+    proc = start(tmp_path / "work", *args, env={"PROBE_DIR": str(probe)})
+    wait_for(probe / "setup_0")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    said = stderr.strip().splitlines()[-1]
+    assert said == "stopped by SIGTERM while the workers started: nothing was trained, nothing saved", said
+
+
 def test_the_command_to_continue_quotes_a_path_that_hydra_would_split():
     """A run under a folder with a space printed `'ckpt_path=/tmp/spa ce/.../last.ckpt'`: quoted for the shell, but
     Hydra's grammar then split it ("LexerNoViableAltException"), so the command to continue did not run."""

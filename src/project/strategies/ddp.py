@@ -15,7 +15,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-from project.errors import unused_parameters_in, user_error_in_traceback
+from project.errors import say, unused_parameters_in, user_error_in_traceback
 from project.launch.ranks import RankWatchingLauncher
 from project.strategies import rendezvous
 
@@ -115,6 +115,11 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         except torch.multiprocessing.ProcessExitedException as e:
             if e.exit_code in _STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
                 raise SystemExit(e.exit_code) from None
+            signum = -e.exit_code
+            if signum in getattr(self, "_passed_on", ()):  # it reached a worker before its handlers (its start)
+                name = signal.Signals(signum).name
+                say(f"stopped by {name} while the workers started: nothing was trained, nothing saved")
+                raise SystemExit(128 + signum) from None
             raise
         except torch.multiprocessing.ProcessRaisedException as e:  # a worker's error, as the text of its traceback
             error = user_error_in_traceback(str(e))
@@ -135,11 +140,14 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         signals = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
         before: dict[int, Any] = {signum: signal.getsignal(signum) for signum in signals}
 
+        self._passed_on: set[int] = set()
+
         def pass_on(signum: int, frame: Any) -> None:
             workers = [p for p in getattr(self, "procs", []) if p.is_alive()]  # Lightning sets procs at their start
             for worker in workers:
                 os.kill(worker.pid, signum)
             if workers:
+                self._passed_on.add(signum)
                 return
             previous = before[signum]
             if callable(previous):
