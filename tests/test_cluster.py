@@ -92,6 +92,9 @@ def test_devices_must_match_what_the_launcher_started(clean_env):
         processes.check_process_count(2, 2, "ddp")
     with pytest.raises(UserError, match="trainer.num_nodes=2"):
         processes.check_process_count(4, 1, "ddp")
+    clean_env.delenv("SLURM_NTASKS_PER_NODE")  # `srun -n 8`: Lightning's error spoke of a bash script's --ntasks
+    with pytest.raises(UserError, match="srun started 8 tasks without --ntasks-per-node, .* srun --ntasks-per-node=8"):
+        processes.check_process_count(4, 2, "ddp")
 
 
 def free_port() -> int:

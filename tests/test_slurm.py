@@ -342,3 +342,27 @@ def test_a_sweep_on_slurm_runs_its_ddp_jobs_on_the_cluster_and_records_a_failed_
     with open(sweep / "summary.csv") as f:
         rows = {row["job"]: row for row in csv.DictReader(f)}
     assert (rows["0"]["status"], rows["1"]["status"]) == ("ok", "failed")
+
+
+def test_a_job_sbatch_refuses_is_one_line_naming_the_launcher_settings(tmp_path):
+    """The launcher's default mem_gb: 64 on a smaller node: submitit raised sbatch's refusal in a traceback, and
+    the sweep dir stayed, holding .submitit/ alone."""
+    from submitit.core.utils import FailedJobError
+
+    from project.entry import _sbatch_refused
+    from project.runs import dirs
+
+    refusal = FailedJobError(
+        "Could not make sbatch call.\nsbatch: error: Memory specification can not be satisfied\n"
+        "sbatch: error: Batch job submission failed: Requested node configuration is not available"
+    )
+    said = str(_sbatch_refused(refusal))
+    assert said.startswith("hydra/launcher=slurm: sbatch refused the job (Memory specification can not be satisfied)")
+    assert "hydra.launcher.mem_gb" in said and _sbatch_refused(RuntimeError("sbatch: error: x")) is None
+    sweep = tmp_path / "multiruns" / "now"
+    (sweep / ".submitit" / "1").mkdir(parents=True)
+    (sweep / ".submitit" / "1" / "submission.sh").write_text("#!/bin/bash")
+    (sweep / "multirun.yaml").write_text("hydra: {}")
+    dirs.CREATED.add(str(sweep.resolve()))
+    dirs.remove_if_unused(sweep)
+    assert not sweep.exists()

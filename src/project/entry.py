@@ -82,6 +82,19 @@ def _group_given_a_value(error: BaseException) -> UserError | None:
     return None
 
 
+def _sbatch_refused(error: BaseException) -> UserError | None:
+    """hydra/launcher=slurm asked for what the cluster cannot give (mem_gb: 64 on a smaller node): submitit raises
+    sbatch's refusal in a traceback."""
+    text = str(error)
+    if type(error).__name__ != "FailedJobError" or "sbatch: error" not in text:
+        return None
+    said = next(line for line in text.splitlines() if "sbatch: error" in line).split("sbatch: error:", 1)[-1]
+    return UserError(
+        f"hydra/launcher=slurm: sbatch refused the job ({said.strip()}); ask for what the cluster has: "
+        "hydra.launcher.mem_gb, cpus_per_task, gpus_per_node, partition, timeout_min"
+    )
+
+
 def _with_profile(argv: list[str]) -> list[str]:
     """$PROJECT_PROFILE=<name> adds `profile=<name>` (conf/profile/): the documented way to shrink every command,
     for tests. Ranks and sweep jobs that a run starts inherit both the variable and the override."""
@@ -104,7 +117,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
         try:
             hydra_main()
         except Exception as e:
-            user_error = user_error_in(e) or _group_given_a_value(e)
+            user_error = user_error_in(e) or _group_given_a_value(e) or _sbatch_refused(e)
             if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
                 raise
             _remove_unused_sweep_dir()

@@ -45,6 +45,11 @@ def check_process_count(devices: Any, num_nodes: int, strategy: Any) -> None:
         )
     n = _count(devices)
     if launcher == "srun":
+        if "SLURM_NTASKS_PER_NODE" not in env:  # `srun -n 2`: Lightning places ranks by tasks per node
+            raise UserError(
+                f"srun started {started} tasks without --ntasks-per-node, which places the ranks on the nodes: "
+                f"srun --ntasks-per-node={started} (or #SBATCH --ntasks-per-node=...), one task per device"
+            )
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "4(x2)" on heterogeneous allocations
         nodes = env.get("SLURM_NNODES", "")
         if n is not None and per_node.isdigit() and int(per_node) != n:

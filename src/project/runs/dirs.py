@@ -101,7 +101,8 @@ def remove_if_unused(run_dir: Path) -> None:
         return
     for path in run_dir.rglob("*"):
         bookkeeping = ".hydra" in path.relative_to(run_dir).parts or path.suffix == ".log" or path.name == CLAIM
-        bookkeeping = bookkeeping or path.relative_to(run_dir).parts == ("multirun.yaml",)  # Hydra's, for a sweep
+        parts = path.relative_to(run_dir).parts
+        bookkeeping = bookkeeping or parts == ("multirun.yaml",) or parts[0] == ".submitit"  # a sweep's launchers
         if path.is_file() and not bookkeeping and not _settings_only(path):
             return
     shutil.rmtree(run_dir, ignore_errors=True)
