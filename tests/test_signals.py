@@ -77,6 +77,7 @@ def test_a_signal_found_on_an_epochs_last_batch_waits_for_its_validation_and_che
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_000.ckpt", "last.ckpt"]
     fit = json.loads((run / "fit_metrics.json").read_text())
     assert fit["status"] == "interrupted" and fit["val/acc"] is not None, fit
+    assert fit["best/val/acc"] == fit["val/acc"]  # the best so far, as a finished fit records it (the summary's column)
 
 
 def test_a_signal_between_training_steps_is_honoured(tmp_path):

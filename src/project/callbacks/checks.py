@@ -308,7 +308,9 @@ class RunChecks(L.Callback):
         from project.callbacks.checkpoint import wait_for_writes
 
         wait_for_writes(trainer)  # the epoch's own saves are written in the background: "saved" means written
-        write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="interrupted")
+        write_metrics(
+            trainer, Path(trainer.default_root_dir) / "fit_metrics.json", "interrupted", _best_so_far(trainer)
+        )
         name = signal.Signals(signum).name
         if trainer.is_global_zero:
             say(
@@ -376,6 +378,15 @@ def _checkpoint_files(trainer: L.Trainer) -> list[Path]:
         if dirpath and "://" not in str(dirpath):
             folders.add(Path(dirpath))
     return [path for folder in folders for path in folder.glob("*.ckpt")]  # files, or folders of shards (fsdp)
+
+
+def _best_so_far(trainer: L.Trainer) -> dict[str, float]:
+    """The monitor's best score so far (`best/val/acc`), as a finished fit records it: the sweep summary's column."""
+    from project.callbacks.monitor import Monitor
+    from project.runs.results import best_key
+
+    found = [c for c in trainer.callbacks if isinstance(c, Monitor) and c.best is not None]  # type: ignore[attr-defined]
+    return {best_key(found[0].metric): found[0].best} if found else {}
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str:
