@@ -385,8 +385,10 @@ def _best_so_far(trainer: L.Trainer) -> dict[str, float]:
     from project.callbacks.monitor import Monitor
     from project.runs.results import best_key
 
-    found = [c for c in trainer.callbacks if isinstance(c, Monitor) and c.best is not None]  # type: ignore[attr-defined]
-    return {best_key(found[0].metric): found[0].best} if found else {}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, Monitor) and callback.best is not None:
+            return {best_key(callback.metric): callback.best}
+    return {}
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str:
