@@ -131,8 +131,9 @@ def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     assert f"[ERROR] - {lines[0]}" in (run / "train.log").read_text()
 
 
-# ddp with rank 0's mistake: test_hostile.py's data missing offline; ddp_spawn with rank 1's: the same path as rank 0's
-@pytest.mark.parametrize(("strategy", "rank"), [("ddp", 1), ("ddp_spawn", 0)])
+# ddp with rank 0's mistake: test_hostile.py's data missing offline; ddp_spawn: test_trainer_options.py (a lost rank 1
+# ends quietly, a worker's UserError comes back as itself) and the divergence below
+@pytest.mark.parametrize(("strategy", "rank"), [("ddp", 1)])
 def test_a_mistake_one_rank_alone_finds_is_said_once_in_its_words(tmp_path, strategy, rank):
     """Rank 0 says how the run ended. Rank 1's line showed beside it (its own error, or "lost the connection" when
     rank 0 had ended), and when rank 1 alone found it, rank 0 said only "rank 1 died (exit code 2)". Under

@@ -89,6 +89,20 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
         strategy.launcher._wrapping_function(0, "failed", fail=True)
     assert not dist.is_initialized()
 
+    # A worker other than rank 0 that lost its connection when rank 0 ended (on an error the main process says)
+    # ends quietly: its error, sent back first, took the place of rank 0's as the run's line, one run in two.
+    def loses_rank_0(self, process_idx: int) -> None:
+        raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:5506")
+
+    monkeypatch.setattr(_MultiProcessingLauncher, "_wrapping_function", loses_rank_0)
+    strategy.cluster_environment.set_global_rank(1)
+    with pytest.raises(SystemExit) as ended:
+        strategy.launcher._wrapping_function(1)
+    assert ended.value.code == 0
+    strategy.cluster_environment.set_global_rank(0)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # rank 0's own: reported
+        strategy.launcher._wrapping_function(0)
+
 
 def test_unused_parameters_are_told_the_setting_of_the_ddp_flavour_in_use():
     """Lightning's message names its own API; the fix named ddp's setting whatever the flavour (a spawned worker's
