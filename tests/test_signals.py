@@ -232,6 +232,10 @@ def test_a_signal_to_ddp_spawns_main_process_stops_its_workers_as_under_ddp(tmp_
     assert line.startswith("stopped by SIGTERM at epoch 0, step ") and "Traceback" not in stderr, stderr[-3000:]
     ckpt = line.split("ckpt_path=")[1]
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] >= 1
+    # the workers, given the run's Hydra config, say the whole command (they could not: exit 1 and a traceback)
+    assert shlex.split(line.split("continue with: ")[1]) == ["python", "train.py", *args, f"ckpt_path={ckpt}"]
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
     for pid in workers:  # none left behind
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 

@@ -1,7 +1,6 @@
 """Precision, torch.compile and sync BatchNorm: accepted where they work, refused by name where not."""
 
 import json
-import re
 import sys
 
 import pytest
@@ -187,23 +186,6 @@ def test_forked_workers_train_and_test_with_the_default_logger(tmp_path, strateg
     (run,) = run_dirs(tmp_path / "logs")
     assert json.loads((run / "test_metrics.json").read_text())["status"] == "ok"
     assert "val/acc" in tensorboard_scalars(run) and "test/acc" in tensorboard_scalars(run)
-
-
-@pytest.mark.slow
-def test_a_signal_stops_ddp_spawns_workers_and_the_run_exits_as_its_line_says(cli, tmp_path):
-    """The workers stopped and saved, but the main process took a worker's exit 143 for a failure (a traceback, exit
-    1), and the workers, without the run's Hydra config, could not write the command to continue."""
-    args = ["trainer.strategy=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2", "debug=limit"]
-    env = {"KILL_AT_STEP": "2", "KILL_SIGNAL": "SIGTERM"}
-    proc = cli("train.py", *args, "+callbacks.probe._target_=probes.KillAt", env=env, check=False)
-    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    (run,) = run_dirs(tmp_path / "logs")
-    last = run / "checkpoints" / "last.ckpt"
-    command = f"python train.py {' '.join(args)} +callbacks.probe._target_=probes.KillAt ckpt_path={last}"
-    said = proc.stderr.strip().splitlines()[-1]
-    stopped = rf"stopped by SIGTERM at epoch \d, step \d+: saved {re.escape(str(last))}; continue with: "
-    assert re.fullmatch(stopped + re.escape(command), said), said
-    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
 
 
 @pytest.mark.slow
