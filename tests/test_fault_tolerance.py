@@ -277,7 +277,7 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from project.callbacks.checks import _continue_command
+    from project.runs.continuing import continue_command
 
     def command(*overrides: str, mode: RunMode = RunMode.RUN, **env: str) -> str:
         hydra = SimpleNamespace(mode=mode, overrides=SimpleNamespace(task=list(overrides)))
@@ -287,7 +287,7 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        return _continue_command("/runs/a b/last.ckpt")
+        return continue_command("/runs/a b/last.ckpt")
 
     run = ["model=mlp", "logger=[tensorboard,mlflow]", "paths.output_dir=/out", "callbacks.last_checkpoint.dirpath=/ck"]
     said = command(

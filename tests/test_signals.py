@@ -260,7 +260,7 @@ def test_the_command_to_continue_quotes_a_path_that_hydra_would_split():
     Hydra's grammar then split it ("LexerNoViableAltException"), so the command to continue did not run."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from project.callbacks.checks import resume_override
+    from project.runs.continuing import resume_override
 
     parser = OverridesParser.create()
     for path in ["/tmp/plain/last.ckpt", "/tmp/spa ce/ünï 数字/it's [1],x=y\\z\\'/last.ckpt", "/tmp/a b\\"]:
