@@ -123,7 +123,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
             _remove_unused_sweep_dir()
             exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
     except SystemExit as e:
-        if e.code in _STOPPED:
+        if e.code in STOPPED_BY_A_SIGNAL:
             _summary_of_a_stopped_sweep()
         _leave(e.code)
     except KeyboardInterrupt:  # outside a run (between a sweep's jobs, before one starts): nothing of a run to save
@@ -135,7 +135,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     _leave(0)
 
 
-_STOPPED = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: how a run that a signal stopped exits
+STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: how a run that a signal stopped exits
 
 
 def _summary_of_a_stopped_sweep() -> None:

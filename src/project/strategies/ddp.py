@@ -15,6 +15,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
+from project.entry import STOPPED_BY_A_SIGNAL
 from project.errors import say, unused_parameters_in, user_error_in_traceback
 from project.launch.ranks import RankWatchingLauncher
 from project.strategies import rendezvous
@@ -85,9 +86,6 @@ class DDPStrategy(LightningDDPStrategy):
                 )
 
 
-_STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: a rank's exit after a signal stopped the run
-
-
 class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
     """Lightning's launcher for ddp_spawn and ddp_fork, whose every worker ends its process group before it exits. A
     spawned worker leaves through Python's full exit, whose C++ destructors found gloo's threads still running: a
@@ -113,7 +111,7 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             with self._signals_passed_to_workers():
                 return super().launch(function, *args, trainer=trainer, **kwargs)
         except torch.multiprocessing.ProcessExitedException as e:
-            if e.exit_code in _STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
+            if e.exit_code in STOPPED_BY_A_SIGNAL:  # project.callbacks.checks: a worker said where and how to go on
                 raise SystemExit(e.exit_code) from None
             signum = -e.exit_code
             if signum in getattr(self, "_passed_on", ()):  # it reached a worker before its handlers (its start)
