@@ -345,3 +345,48 @@ def test_metric_states_are_restored_after_the_micro_batch_runs_and_copied_to_oth
     metric.update(torch.tensor(3.0))
     st.import_states({"m": copy}, st.export_states({"m": metric}, ["m"]), torch.device("cpu"))
     assert float(copy.compute()) == float(metric.compute()) == 2.0
+
+
+# A table regression of a user's own (tests/user_tables.py): its forward squeezes the net's (N, 1) output to the
+# targets' (N,). The pipeline runs the net in stages; the user's forward around the net must still run.
+TABLE = [
+    "~model",
+    "+model._target_=user_tables.Regressor",
+    "~data",
+    "+data._target_=user_tables.DiabetesData",
+    "+data.shuffle=false",
+    "monitor.metric=val/mse",
+    "monitor.mode=min",
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=2",
+    "logger=csv",
+]
+
+
+@pytest.mark.slow
+def test_a_forward_around_the_net_runs_under_the_pipeline_as_on_one_device(cli, tmp_path: Path) -> None:
+    """Against ddp on one process: both take their training order from Lightning's DistributedSampler, which
+    shuffles every training loader (docs: Data and the same steps)."""
+    env = {"OMP_NUM_THREADS": "1"}
+    cli("train.py", *TABLE, "trainer=ddp", "trainer.devices=1", env=env, cwd=tmp_path / "one")
+    cli("train.py", *TABLE, *PIPELINE, env=env, cwd=tmp_path / "pipeline")
+    (one,), (piped,) = run_dirs(tmp_path / "one" / "logs"), run_dirs(tmp_path / "pipeline" / "logs")
+    # the best is the second epoch's: every process must agree that it is a new best (ModelCheckpoint asks them)
+    best = [sorted(p.name for p in (run / "checkpoints").glob("epoch_*")) for run in (one, piped)]
+    assert best == [["epoch_001.ckpt"]] * 2
+    for name in ("fit_metrics.json", "test_metrics.json"):
+        ours, theirs = json.loads((piped / name).read_text()), json.loads((one / name).read_text())
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if isinstance(value, float):
+                assert_close(ours[key], value, f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_a_forward_that_changes_the_input_before_the_net_is_refused_under_the_pipeline(cli, tmp_path: Path) -> None:
+    table = [o.replace("user_tables.Regressor", "user_tables.ScaledInput") for o in TABLE]
+    proc = cli("train.py", *table, *PIPELINE, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: trainer=pipeline") and "ScaledInput.forward" in line
+    assert not (tmp_path / "logs" / "train" / "runs").exists() or not run_dirs(tmp_path / "logs")

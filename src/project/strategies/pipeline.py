@@ -77,6 +77,7 @@ class PipelineStrategy(OneCheckpointFile):
         self.pp_group = None  # this rank's pipeline
         self.dp_group: Any = None  # the ranks that hold the same stages
         self.mine: dict[bool, list[nn.Module]] | None = None  # this rank's stages (train, eval), by parallelize()
+        self._net: nn.Module | None = None  # the net they were cut from: the user's steps call it
         self._foreign, self._order, self._param_order = set(), [], []  # see OneCheckpointFile
         self._runs: dict[tuple, st.Run] = {}
         self._metrics: dict[str, Any] = {}
@@ -86,6 +87,11 @@ class PipelineStrategy(OneCheckpointFile):
         self._example: Any = None  # the module's example_input_array, put aside while the run lasts
 
     # ------------------------------------------------------------ where this process sits
+
+    @property
+    def net(self) -> nn.Module:
+        assert self._net is not None, "cut in parallelize()"
+        return self._net
 
     @property
     def pp_size(self) -> int:
@@ -156,6 +162,7 @@ class PipelineStrategy(OneCheckpointFile):
         if self.mine is not None or module is None:
             return
         plan = self._plan(net)
+        self._net = net
         st.check_cut(module, net, plan, self.pp_size, self.stages_per_rank)
         self._order, self._param_order = list(module.state_dict()), [n for n, _ in module.named_parameters()]
         st.keep_only(net, plan, self.stage_indices, first=self.is_first)
@@ -318,7 +325,7 @@ class PipelineStrategy(OneCheckpointFile):
             return output.float().sum() * 0.0
         try:
             args, kwargs = run.micro_batch_args(index)
-            return st.loss_of(st.call_user(self.lightning_module, "training_step", args, kwargs, output, []))
+            return st.loss_of(st.call_user(self.lightning_module, self.net, "training_step", args, kwargs, output, []))
         except Exception as e:  # finish the schedule (the other ranks wait on it), then fail on every rank
             self._error = e
             return output.float().sum() * 0.0
@@ -332,7 +339,7 @@ class PipelineStrategy(OneCheckpointFile):
         if self.is_last and self._error is None:
             try:
                 with context():
-                    result, payload = st.last_stage_step(module, self._metrics, method, args, kwargs, output)
+                    result, payload = st.last_stage_step(module, self.net, self._metrics, method, args, kwargs, output)
             except Exception as e:
                 self._error = e
         if self.is_last and self._error is not None:
@@ -387,6 +394,13 @@ class PipelineStrategy(OneCheckpointFile):
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return super().all_gather(tensor, group if group is not None else self.dp_group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every process, as Lightning's callbacks ask (ModelCheckpoint: is this a new best?): Lightning's own
+        sums through `reduce`, which adds up over the pipelines only (above), and compares with the world size."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
 
 
 def _average(grads: list[Tensor], group: Any, size: int) -> None:

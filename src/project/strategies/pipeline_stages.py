@@ -191,15 +191,56 @@ Record = tuple[str, Any, dict[str, Any]]  # the arguments of one self.log call
 Payload = dict[str, Any]  # what the last stage sends its pipeline after each step
 
 
-def call_user(module: Any, method: str, args: tuple, kwargs: dict, output: Any, records: list[Record]) -> Any:
-    """The LightningModule's step with `self(x)` answering `output` (this micro-batch's or the whole batch's),
-    and its self.log calls recorded instead of logged."""
-    module.__dict__["forward"] = lambda *a, **k: output
+def call_user(
+    module: Any, net: nn.Module, method: str, args: tuple, kwargs: dict, output: Any, records: list[Record]
+) -> Any:
+    """The LightningModule's step with the net answering `output` (this micro-batch's or the whole batch's, computed
+    by the stages from batch[0]), and its self.log calls recorded instead of logged. Only the net is answered for:
+    whatever the module's forward does around it (a squeeze, a softmax) runs as on one device, and a net asked for
+    anything but batch[0] is refused, since `output` would not be its answer."""
+    x = net_input(args[0])
+
+    def answer(*given: Any, **named: Any) -> Any:
+        if named or len(given) != 1 or not (given[0] is x or _same(given[0], x)):
+            raise UserError(_asked_for_another_input(module, net, method, given, named))
+        return output
+
+    net.__dict__["forward"] = answer
     module.__dict__["log"] = lambda name, value, **kw: records.append((name, value, kw))
     try:
         return getattr(module, method)(*args, **kwargs)
     finally:
-        del module.__dict__["forward"], module.__dict__["log"]
+        del net.__dict__["forward"], module.__dict__["log"]
+
+
+def _same(given: Any, x: Tensor) -> bool:
+    return isinstance(given, Tensor) and given.shape == x.shape and given.dtype == x.dtype and torch.equal(given, x)
+
+
+def _asked_for_another_input(module: Any, net: nn.Module, method: str, given: tuple, named: dict) -> str:
+    """Which of the user's functions called the net on something else, and what it gave."""
+    import sys
+
+    caller = f"{type(module).__name__}.{method}"
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        if frame.f_locals.get("self") is module and frame.f_code.co_name != "_call_impl":
+            caller = f"{type(module).__name__}.{frame.f_code.co_name}"
+            break
+        frame = frame.f_back
+    what = (
+        f"keyword arguments {sorted(named)}"
+        if named
+        else f"{len(given)} arguments"
+        if len(given) != 1
+        else "a tensor other than batch[0]"
+    )
+    net_name = "forward" if net is module else "self.net"
+    return (
+        f"trainer=pipeline runs {net_name} in stages on batch[0] alone, but {caller} calls it with {what}: "
+        f"compute the net's input inside the net (or in the DataModule), or use trainer=pipe, which runs the net on "
+        "whatever it is given"
+    )
 
 
 def loss_of(result: Any) -> Tensor:
@@ -280,13 +321,13 @@ def export_records(records: list[Record], found: dict[str, Metric]) -> list[tupl
 
 
 def last_stage_step(
-    module: Any, found: dict[str, Metric], method: str, args: tuple, kwargs: dict, output: Any
+    module: Any, net: nn.Module, found: dict[str, Metric], method: str, args: tuple, kwargs: dict, output: Any
 ) -> tuple[Any, Payload]:
     """The user's step on the whole batch's output: its result, and what the other stages need to log the same
     (its self.log calls, the states of the metrics it touched, the loss, a prediction)."""
     counts = {path: m._update_count for path, m in found.items()}
     records: list[Record] = []
-    result = call_user(module, method, args, kwargs, output, records)
+    result = call_user(module, net, method, args, kwargs, output, records)
     exported = export_records(records, found)
     touched = {p for p, m in found.items() if m._update_count != counts[p]}
     touched |= {value for _, kind, value, _ in exported if kind == "metric"}

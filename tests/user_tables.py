@@ -1,0 +1,84 @@
+"""A table project written the way users write one, not the way this template does: scikit-learn's diabetes table
+(it ships with the package), a plain LightningDataModule over plain DataLoaders, and a regression LightningModule
+whose net ends in one output that forward squeezes away. Nothing here knows the template."""
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class DiabetesData(L.LightningDataModule):
+    """442 patients, 10 standardised features, a disease progression score one year later (standardised here)."""
+
+    def __init__(self, batch_size: int = 32, val_size: int = 100, shuffle: bool = True) -> None:
+        super().__init__()
+        self.batch_size, self.val_size, self.shuffle = batch_size, val_size, shuffle
+
+    def setup(self, stage: str) -> None:
+        from sklearn.datasets import load_diabetes
+
+        x, y = load_diabetes(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32)
+        y = torch.tensor(y, dtype=torch.float32)
+        x, y = (x - x.mean(0)) / x.std(0), (y - y.mean()) / y.std()
+        n = len(x) - self.val_size
+        self.train_set, self.val_set = TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class TableMLP(nn.Module):
+    def __init__(self, features: int = 10, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Regressor(L.LightningModule):
+    """forward squeezes the net's (N, 1) output to (N,), the targets' shape: the loss is wrong without it."""
+
+    def __init__(self, hidden: int = 32, lr: float = 0.01) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = TableMLP(hidden=hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train/mse", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/mse", F.mse_loss(self(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test/mse", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class ScaledInput(Regressor):
+    """forward changes the input before the net (a unit conversion): a strategy that feeds the net batch[0] itself
+    would compute something else."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x * 2.0).squeeze(-1)
