@@ -68,10 +68,10 @@ tensorboard:  ## inspect every run under logs/
 	$(BIN)/tensorboard --logdir logs
 
 tensorboard-shots:  ## screenshots of the newest run's scalars, HParams and images pages (needs Chromium)
-	$(BIN)/python -m project.loggers.screenshots logs
+	$(BIN)/python -m engine.loggers.screenshots logs
 
 devices:  ## what this machine offers and what the default trainer would pick
-	$(BIN)/python -m project.launch.devices
+	$(BIN)/python -m engine.launch.devices
 
 clean:  ## remove run outputs (not data, not .venv)
 	rm -rf logs outputs multirun lightning_logs .pytest_cache

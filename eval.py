@@ -3,15 +3,15 @@
 import hydra
 from omegaconf import DictConfig
 
-from project.config import register
-from project.entry import cli, run
+from engine.cli import cli, run
+from engine.config import register
 
 register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    return run("project.tasks.evaluation:evaluate", cfg)  # torch and Lightning load only once a run really starts
+    return run("engine.tasks.evaluation:evaluate", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

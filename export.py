@@ -4,15 +4,15 @@ Writes <best>.onnx or <best>.pt2 beside the checkpoint. See README.md."""
 import hydra
 from omegaconf import DictConfig
 
-from project.config import register
-from project.entry import cli, run
+from engine.cli import cli, run
+from engine.config import register
 
 register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
 def main(cfg: DictConfig) -> object:
-    return run("project.tasks.export:export", cfg)  # torch and Lightning load only once a run really starts
+    return run("engine.tasks.export:export", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

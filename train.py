@@ -3,15 +3,15 @@
 import hydra
 from omegaconf import DictConfig
 
-from project.config import register
-from project.entry import cli, run
+from engine.cli import cli, run
+from engine.config import register
 
 register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    return run("project.tasks.training:train", cfg)  # torch and Lightning load only once a run really starts
+    return run("engine.tasks.training:train", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`make bench` figure 4: the template's data path against torchvision's `MNIST` + `DataLoader` with per-sample
 ToTensor + Normalize, batches per second over the same 4,000 digits at batch 64, reshuffled each epoch.
 
-The template's path is project.data.tensors as a run uses it: one tensor per split, a ResumableSampler and one
+The template's path is engine.data.tensors as a run uses it: one tensor per split, a ResumableSampler and one
 indexing op per batch (`__getitems__`). The baseline is the textbook loader (and the lightning-hydra-template's):
 a PIL image per sample, ToTensor, Normalize, default collate, num_workers=0. Both also as rank 0 of 2 (ddp's
 sampler: half the epoch), where the target must still hold, and the template's path on one torch thread.
@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms
 from torchvision.datasets import MNIST
 
+from engine.data.resumable import ResumableLoader, ResumableSampler
+from engine.data.tensors import TensorDataset, _batch_as_is, normalize
 from project.data.digits import MNIST_MEAN, MNIST_STD
-from project.data.resumable import ResumableLoader, ResumableSampler
-from project.data.tensors import TensorDataset, _batch_as_is, normalize
 
 BATCH = 64
 TARGET = 10.0

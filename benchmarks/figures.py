@@ -1,6 +1,6 @@
 """`make bench`: what an epoch's two TensorBoard images cost the training thread.
 
-project.callbacks.tensorboard draws the sample grid and the confusion matrix in a thread of its own and writes them
+engine.callbacks.tensorboard draws the sample grid and the confusion matrix in a thread of its own and writes them
 as events; what the training thread pays is the time that thread holds the GIL. Measured as the slowdown of a
 loop of small matrix products (about an MLP step's work) while a thread draws, encodes and writes one epoch's pair
 of images at a time, as the callback does: with the checksums this project computes in C (google-crc32c) and with
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from timing import summary, write_results
 
-from project.loggers import figures
-from project.loggers.tensorboard import masked_crc32c
+from engine.loggers import figures
+from engine.loggers.tensorboard import masked_crc32c
 
 
 def images(rng: np.random.Generator) -> tuple[Any, Any]:

@@ -1,5 +1,5 @@
 """`make bench`: what drawing the net's graph in TensorBoard costs at the first step of a run, torch's way and the
-template's (project.callbacks.tensorboard._graph).
+template's (engine.callbacks.tensorboard._graph).
 
 `SummaryWriter.add_graph` traces with `torch.jit.trace`'s check_trace: two more traces, compared with the first.
 The template traces once, without the check, and writes the same records (tests/test_private_api.py compares them).
@@ -19,7 +19,7 @@ import torch
 from timing import interleaved, summary, write_results
 from torch.utils.tensorboard import SummaryWriter
 
-from project.callbacks.tensorboard import _graph
+from engine.callbacks.tensorboard import _graph
 from project.models.lenet import LeNet
 from project.models.resnet import ResNet18
 

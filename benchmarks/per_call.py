@@ -1,11 +1,11 @@
 """`make bench`: what six per-call costs of the training loop are, with Lightning's and the template's way.
 
 - `self.log` of a step value and of a metric object: Lightning's result collection with its own `_ResultMetric.to`
-  (a move to the device on every call) and with project.loggers.logged_values' (no move when already there);
+  (a move to the device on every call) and with engine.loggers.logged_values' (no move when already there);
 - a training step's metric updates: torchmetrics' MeanMetric and MulticlassAccuracy, and project.models.metrics'
   Mean and Accuracy (a batch of 64, 10 classes);
 - a checkpoint save, as long as it holds the training thread: written there (fsync and rename included), and
-  handed to the writer thread (project.runs.atomic_io; the write itself is waited for outside the timing), for the
+  handed to the writer thread (engine.runs.atomic_io; the write itself is waited for outside the timing), for the
   MLP 784-64-128-64 and for ResNet-18 (11M weights), each with Adam's two moments, each net in rounds of its own
   (the disk is still flushing ResNet-18's 45 MB files for a while); and an epoch's end, where the best file and
   last.ckpt are saved one after the other (the second does not wait for the first's write), or last.ckpt is made
@@ -13,15 +13,15 @@
   also saves, is not in this timing).
 - the copy of the logged metrics that both checkpoint callbacks make before every save decision (twice an epoch),
   for a classifier's eight: Lightning's `ModelCheckpoint._monitor_candidates` (a deep copy of each tensor) and
-  project.callbacks.checkpoint's (a clone of each);
+  engine.callbacks.checkpoint's (a clone of each);
 - a TensorBoard `log_metrics` call with an epoch's four validation scalars: Lightning's logger (an event per
-  scalar, each handed to the writer thread at once) and project.loggers.tensorboard's (one event a call), both
+  scalar, each handed to the writer thread at once) and engine.loggers.tensorboard's (one event a call), both
   writing to a local folder; the template's holds its events and hands them over in batches (after a checkpoint,
   every `flush_secs`, at the end), so it is timed twice: as it runs (the hand-over is not in the call) and handing
   each call's event over at once, as before (and as a ddp_spawn worker's logger does);
 - an optimizer step (Adam on the MLP, a batch of 64's gradients): with Lightning's NVML-based CUDA check, which on a
   machine without a GPU looks for the NVML library at every step, and answered by the CUDA runtime's cached count, as
-  the template sets it when no GPU is visible (project.launch.devices). Only with the CUDA build of torch.
+  the template sets it when no GPU is visible (engine.launch.devices). Only with the CUDA build of torch.
 Rounds interleaved. Writes benchmarks/results/per_call.json.
 """
 
@@ -40,13 +40,13 @@ from timing import interleaved, summary, write_results
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from project.callbacks.checkpoint import BestCheckpoint
-from project.launch.devices import NVML_CHECK
-from project.loggers import logged_values
+from engine.callbacks.checkpoint import BestCheckpoint
+from engine.launch.devices import NVML_CHECK
+from engine.loggers import logged_values
+from engine.runs.atomic_io import AtomicCheckpointIO
 from project.models.metrics import Accuracy, Mean
 from project.models.mlp import MLP
 from project.models.resnet import ResNet18
-from project.runs.atomic_io import AtomicCheckpointIO
 
 
 def per_call_us(call: Callable[[], Any], calls: int) -> float:
@@ -107,22 +107,22 @@ def metric_snapshots(calls: int) -> dict[str, Callable[[], float]]:
     lightnings, mine = ModelCheckpoint(), BestCheckpoint()
     return {
         "Lightning's (deep copies)": lambda: per_call_us(lambda: lightnings._monitor_candidates(trainer), calls),
-        "project.callbacks.checkpoint (clones)": lambda: per_call_us(lambda: mine._monitor_candidates(trainer), calls),
+        "engine.callbacks.checkpoint (clones)": lambda: per_call_us(lambda: mine._monitor_candidates(trainer), calls),
     }
 
 
 def tensorboard_writes(calls: int, folder: Path) -> dict[str, Callable[[], float]]:
     from lightning.pytorch.loggers import TensorBoardLogger as LightningsLogger
 
-    from project.loggers.tensorboard import TensorBoardLogger
+    from engine.loggers.tensorboard import TensorBoardLogger
 
     metrics = {"val/loss": torch.tensor(0.3), "val/acc": torch.tensor(0.9), "val/acc_best": torch.tensor(0.92)}
     at_once = TensorBoardLogger(str(folder), name="template_at_once")
     at_once._flush_secs = 0.0  # what a ddp_spawn worker's copy sets: nothing held (a flush_secs=0 writer would spin)
     loggers = {
         "Lightning's (an event a scalar)": LightningsLogger(str(folder), name="lightning", default_hp_metric=False),
-        "project.loggers.tensorboard (an event a call, held)": TensorBoardLogger(str(folder), name="template"),
-        "project.loggers.tensorboard, handed over at once": at_once,
+        "engine.loggers.tensorboard (an event a call, held)": TensorBoardLogger(str(folder), name="template"),
+        "engine.loggers.tensorboard, handed over at once": at_once,
     }
     return {
         name: partial(lambda logger: per_call_us(lambda: logger.log_metrics({**metrics, "epoch": 3}, 7), calls), logger)
@@ -160,7 +160,7 @@ def saves(folder: Path) -> dict[str, dict[str, Callable[[], float]]]:
 
     def back_to_back(state: dict[str, Any], link: bool = False) -> float:
         """An epoch's end: its best file, then last.ckpt at once (the writer still writing the first); `link`:
-        last.ckpt made from the best file, as project.callbacks.checkpoint does when both hold the same state."""
+        last.ckpt made from the best file, as engine.callbacks.checkpoint does when both hold the same state."""
         io.wait()
         best, last = folder / "best.ckpt", folder / "last.ckpt"
         start = time.perf_counter()

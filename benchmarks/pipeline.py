@@ -2,7 +2,7 @@
 model-parallel tutorial plots it, plus a sweep of the micro-batch count.
 
 Each step is a forward and a backward of a whole batch through the template's own `pipe` code
-(project.strategies.pipe: stage threads, the clock schedule, the per-stage backward). On a CPU machine a
+(engine.strategies.pipe: stage threads, the clock schedule, the per-stage backward). On a CPU machine a
 stage's "device" is its share of the cores: one intra-op thread per stage on 2 cores, against one device using
 both cores. Configurations are timed in interleaved rounds (one step of each, repeated), so that drift on a
 shared machine hits them all alike; every figure is the median with its min and max.
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.strategies import parallelize
+from engine.strategies.pipe import PipeStrategy
 from project.models.mlp import MLP
 from project.models.resnet import ResNet18
-from project.strategies import parallelize
-from project.strategies.pipe import PipeStrategy
 
 RESULTS = Path(__file__).parent / "results"
 

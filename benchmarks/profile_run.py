@@ -24,10 +24,10 @@ BUCKETS: dict[str, list[tuple[str, str]]] = {
     "imports (all, at any time)": [("<frozen importlib._bootstrap>", r"^_find_and_load$")],
     "Hydra: compose the config": [("hydra/_internal/config_loader_impl.py", r"^load_configuration$")],
     "config checks (schema, _target_ signatures, factories)": [
-        ("project/config/schema.py", r"^check_config$"),
-        ("project/build.py", r"^check$"),
+        ("engine/config/schema.py", r"^check_config$"),
+        ("engine/build.py", r"^check$"),
     ],
-    "build: data, model, callbacks, loggers, trainer": [("project/build.py", r"^(datamodule|model|named|trainer)$")],
+    "build: data, model, callbacks, loggers, trainer": [("engine/build.py", r"^(datamodule|model|named|trainer)$")],
     "Trainer.fit (all of training)": [("lightning/pytorch/trainer/trainer.py", r"^fit$")],
     "sanity check": [("lightning/pytorch/trainer/trainer.py", r"^_run_sanity_check$")],
     "data loading (next batch)": [("lightning/pytorch/loops/fetchers.py", r"^__next__$")],
@@ -40,7 +40,7 @@ BUCKETS: dict[str, list[tuple[str, str]]] = {
         ("torchmetrics/metric.py", r"^forward$"),
     ],
     "logger writes (metrics to TensorBoard)": [("logger_connector/logger_connector.py", r"^log_metrics$")],
-    "TensorBoard callback (images, graph, histograms)": [("project/callbacks/tensorboard.py", r"^on_")],
+    "TensorBoard callback (images, graph, histograms)": [("engine/callbacks/tensorboard.py", r"^on_")],
     "checkpoint writes": [("lightning/pytorch/trainer/trainer.py", r"^save_checkpoint$")],
 }
 

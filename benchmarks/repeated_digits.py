@@ -3,8 +3,8 @@
 
 from typing import Any
 
+from engine.data.tensors import TensorDataset
 from project.data.digits import DigitsDataModule
-from project.data.tensors import TensorDataset
 
 
 class RepeatedDigits(DigitsDataModule):

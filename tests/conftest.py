@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from slurm_cluster import slurm_cluster  # noqa: F401  a fixture: a real one-node SLURM cluster
 from warm import Warm
 
-from project.config import register
+from engine.config import register
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"

@@ -23,7 +23,7 @@ def probe_dir() -> Path:
 
 def run_seed(trainer) -> object:
     """The seed of the config this process runs (the run config every checkpoint carries)."""
-    from project.callbacks.run_state import RunState
+    from engine.callbacks.run_state import RunState
 
     (found,) = [c for c in trainer.callbacks if isinstance(c, RunState)]
     return found.config.get("seed")
@@ -270,7 +270,7 @@ class DiskFullInCheckpointWritesAt(L.Callback):
             import errno
             import types
 
-            from project.runs import atomic_io
+            from engine.runs import atomic_io
 
             def full(*args, **kwargs):
                 raise OSError(errno.ENOSPC, "No space left on device")
@@ -315,6 +315,6 @@ class MistakeAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == int(os.environ["MISTAKE_AT_STEP"]):
             if trainer.global_rank == int(os.environ["MISTAKE_RANK"]):
-                from project.errors import UserError
+                from engine.errors import UserError
 
                 raise UserError(f"rank {trainer.global_rank} alone found a mistake at step {trainer.global_step}")

@@ -46,6 +46,7 @@ class SyncCounter(L.Callback):
         for frame in reversed(traceback.extract_stack()):  # this file's and torch's frames name no origin
             for origin, marker in (
                 ("template", "/src/project/"),
+                ("template", "/src/engine/"),
                 ("lightning", "/lightning/"),
                 ("torchmetrics", "/torchmetrics/"),
             ):

@@ -1,4 +1,4 @@
-"""The single-file checkpoint writes themselves (project.runs.atomic_io): their hidden temporary files, cleaned
+"""The single-file checkpoint writes themselves (engine.runs.atomic_io): their hidden temporary files, cleaned
 up after processes killed mid-write, named within any folder's limits, and a read-only filesystem as one line."""
 
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import dead_pid
 
-from project.errors import UserError
+from engine.errors import UserError
 
 
 def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it(tmp_path):
@@ -17,7 +17,7 @@ def test_a_save_removes_the_temporary_files_that_killed_processes_left_beside_it
     machine that are gone (of any checkpoint: a replaced best file's name does not come back), and keeps those of a
     running process (it may be writing) and of other machines (a shared filesystem: their processes cannot be seen
     from here)."""
-    from project.runs.atomic_io import _HOST, write_atomically
+    from engine.runs.atomic_io import _HOST, write_atomically
 
     dead, host = dead_pid(), _HOST  # this machine's name, as the temporary files carry it
     left = {
@@ -42,7 +42,7 @@ def test_a_read_only_filesystem_is_one_line_not_an_oserror_from_the_cleanup(tmp_
     import builtins
     import errno
 
-    from project.runs.atomic_io import write_atomically, write_file
+    from engine.runs.atomic_io import write_atomically, write_file
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
@@ -58,7 +58,7 @@ def test_a_read_only_filesystem_is_one_line_not_an_oserror_from_the_cleanup(tmp_
 def test_a_checkpoint_with_the_longest_name_a_folder_allows_is_written_whatever_the_hostname(tmp_path, monkeypatch):
     """The temporary file's name adds the machine's name and the pid to the checkpoint's: with a long hostname (a
     cluster's fully qualified one) a long but valid checkpoint name made it longer than a folder allows."""
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     assert len(atomic_io._HOST) <= 64  # the machine's name, cut to the length it may have at most in the name
     monkeypatch.setattr(atomic_io, "_HOST", ("gpu-node-0123.cluster-university-example-" * 2)[:64])

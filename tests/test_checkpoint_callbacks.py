@@ -1,4 +1,4 @@
-"""What the checkpoint callbacks (project.callbacks.checkpoint) save and decide on: last.ckpt made from the best file
+"""What the checkpoint callbacks (engine.callbacks.checkpoint) save and decide on: last.ckpt made from the best file
 when both hold one state, step saves, output folders, and the metrics they compare. Their writes in the background:
 tests/test_checkpoint_writer.py."""
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 from user_models import LIT_AUTOENCODER, LIT_AUTOENCODER_3_EPOCHS
 
-from project.errors import UserError
+from engine.errors import UserError
 
 
 def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg, tmp_path):
     """BestCheckpoint skips Lightning's per-step look at the trainer unless every_n_train_steps (or
     train_time_interval) asks for saves within epochs: then they are made, for a user's module too."""
-    from project.tasks.training import train
+    from engine.tasks.training import train
 
     cfg = make_cfg(
         *LIT_AUTOENCODER,
@@ -39,8 +39,8 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
 
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-    from project.runs import atomic_io
-    from project.tasks.training import train
+    from engine.runs import atomic_io
+    from engine.tasks.training import train
 
     dumps = []
     dump = _CheckpointConnector.dump_checkpoint
@@ -63,7 +63,7 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
 def test_a_file_url_for_a_folder_is_one_line_naming_the_path_and_nothing_is_written(make_cfg, tmp_path, monkeypatch):
     """Lightning takes a `file://` dirpath for a path relative to the working directory: the files went to
     ./file:/<path>, where no check looked for another run's checkpoints. A `file:` URL is refused at start."""
-    from project.tasks.training import train
+    from engine.tasks.training import train
 
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "elsewhere" / "ckpts"
@@ -83,8 +83,8 @@ def test_the_metrics_a_checkpoint_callback_decides_on_are_cloned_not_deep_copied
     Same keys, values and dtypes as Lightning's, for a user's module fitted for real."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from project.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
-    from project.tasks.training import train
+    from engine.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
+    from engine.tasks.training import train
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""The checkpoint callbacks' writes in the background (project.runs.atomic_io, project.callbacks.checkpoint):
+"""The checkpoint callbacks' writes in the background (engine.runs.atomic_io, engine.callbacks.checkpoint):
 snapshots written in order, never more than two in memory, and a failed write that ends the run in one line without
 leaving last.ckpt naming a file that is not there. What the callbacks save: tests/test_checkpoint_callbacks.py; the
 files' own writes: tests/test_atomic_saves.py."""
@@ -9,18 +9,18 @@ import pytest
 import torch
 from user_models import LIT_AUTOENCODER_3_EPOCHS
 
-from project.errors import UserError
+from engine.errors import UserError
 
 
 def test_checkpoints_written_in_the_background_are_snapshots_in_order_and_fail_loudly(tmp_path, monkeypatch):
-    """project.runs.atomic_io: a save of the file in_background() names is serialized at once (later changes to
+    """engine.runs.atomic_io: a save of the file in_background() names is serialized at once (later changes to
     the weights are not in it) and written by the writer thread; saves and removals land in the order they were
     made; any other save (a signal handler's, meanwhile) is written at once, after the writer; a failed write is
     raised at the next wait, save or teardown, as the one-line error a synchronous one gives."""
     import pickle
     import threading
 
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     writers = []
     replace = atomic_io.os.replace
@@ -62,7 +62,7 @@ def test_checkpoints_written_in_the_background_are_snapshots_in_order_and_fail_l
 def test_a_failed_background_write_does_not_hide_the_error_that_ends_the_run(tmp_path, caplog):
     """Lightning tears the strategy down while a divergence or Ctrl-C is on its way out: a failed write is logged
     then, and the run ends with its own error (its message, its exit code)."""
-    from project.runs.atomic_io import AtomicCheckpointIO
+    from engine.runs.atomic_io import AtomicCheckpointIO
 
     checkpoints = AtomicCheckpointIO()
     failing = Path("/proc/no/such/run/last.ckpt")
@@ -82,7 +82,7 @@ def test_an_epochs_last_save_does_not_wait_for_its_best_file_but_the_next_save_d
     is still being written; a third save waits for the first, so no more than two copies are ever in memory."""
     import threading
 
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     release, write = threading.Event(), atomic_io.write_atomically
 
@@ -113,7 +113,7 @@ def test_after_a_failed_best_write_last_ckpt_is_left_as_it_was_and_the_run_ends(
     import concurrent.futures
     import threading
 
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     write = atomic_io.write_atomically
 
@@ -165,7 +165,7 @@ def test_ctrl_c_while_a_save_waits_for_the_writer_still_reports_a_later_failed_w
     import signal
     import threading
 
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     hold, write = threading.Event(), atomic_io.write_atomically
 
@@ -205,7 +205,7 @@ def test_failed_writes_do_not_keep_their_snapshots_in_memory(tmp_path, monkeypat
     import weakref
     from types import SimpleNamespace
 
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     snapshots = []
 
@@ -232,7 +232,7 @@ def test_failed_writes_do_not_keep_their_snapshots_in_memory(tmp_path, monkeypat
 
 
 def test_a_replaced_best_file_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
-    from project.runs import atomic_io
+    from engine.runs import atomic_io
 
     def refused(self, path):
         raise PermissionError(13, "Permission denied", str(path))
@@ -254,8 +254,8 @@ def test_a_logger_that_uploads_checkpoints_as_saved_gets_them_written_first(tmp_
     """Lightning's MLflow/W&B loggers with log_model read the file when told of it: no background write then."""
     from types import SimpleNamespace
 
-    from project.callbacks.checkpoint import BestCheckpoint
-    from project.runs.atomic_io import AtomicCheckpointIO
+    from engine.callbacks.checkpoint import BestCheckpoint
+    from engine.runs.atomic_io import AtomicCheckpointIO
 
     checkpoints = AtomicCheckpointIO()
     callback = BestCheckpoint(dirpath=str(tmp_path), monitor="val/acc")
@@ -285,8 +285,8 @@ def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_c
     on disk, whole, when fit returns (the callbacks' teardown waits)."""
     import threading
 
-    from project.runs import atomic_io
-    from project.tasks.training import train
+    from engine.runs import atomic_io
+    from engine.tasks.training import train
 
     written = []
     replace = atomic_io.os.replace

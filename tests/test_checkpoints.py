@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import REPO, cli_env, run_python
 
-from project.errors import UserError
-from project.runs.checkpoints import check_readable, load_model
+from engine.errors import UserError
+from engine.runs.checkpoints import check_readable, load_model
 
 MLP_MODEL = {
     "_target_": "project.models.classifier.ImageClassifier",
@@ -218,7 +218,7 @@ def test_python_random_state_restores_from_a_tensor_and_from_the_older_tuple():
     import io
     import random
 
-    from project.callbacks.run_state import _capture, _restore
+    from engine.callbacks.run_state import _capture, _restore
 
     cpu = torch.device("cpu")
     random.seed(3)

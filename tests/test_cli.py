@@ -361,7 +361,7 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data(cli, tmp_pat
 
 def test_devices_command_reports_what_torch_sees_under_cuda_visible_devices():
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "3,5"}
-    proc = run_python([sys.executable, "-m", "project.launch.devices"], REPO, env)
+    proc = run_python([sys.executable, "-m", "engine.launch.devices"], REPO, env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "CUDA_VISIBLE_DEVICES: 3,5"
@@ -378,7 +378,7 @@ def test_devices_lists_every_visible_gpu(monkeypatch):
     """The listing itself, with two GPUs faked at the torch API (CI has none)."""
     from types import SimpleNamespace
 
-    from project.launch import devices
+    from engine.launch import devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(devices, "default_choice", lambda: "CUDAAccelerator on cuda:0")

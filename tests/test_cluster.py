@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TESTS, WARM, run_dirs, run_python
 
-from project.errors import UserError
-from project.launch import environment as cluster
-from project.launch import processes
+from engine.errors import UserError
+from engine.launch import environment as cluster
+from engine.launch import processes
 
 TRAIN = REPO / "train.py"
 RUN = [
@@ -203,7 +203,7 @@ from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from project.strategies import rendezvous
+from engine.strategies import rendezvous
 
 env = TorchElasticEnvironment()
 rank = env.global_rank()
@@ -273,7 +273,7 @@ def test_torchrun_restarts_never_meet_the_previous_attempts_addresses(tmp_path):
 def test_an_address_rank_0_cannotlisten_on_is_one_line_naming_what_was_given():
     """Under torchrun rank 0 hosts its store on a free port of MASTER_ADDR: the line named MASTER_PORT=0, which
     nobody set, and asked for a free port."""
-    from project.strategies.rendezvous import listen_on
+    from engine.strategies.rendezvous import listen_on
 
     with pytest.raises(UserError) as given:
         listen_on("192.0.2.1", 29500)  # TEST-NET-1: never an address of this machine
@@ -291,7 +291,7 @@ def test_a_one_machine_run_meets_on_a_free_port_below_the_ephemeral_range(monkey
     (the processes it starts later, a test's CLI runs in pytest's process, are not watched)."""
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from project.launch import environment, ports, ranks
+    from engine.launch import environment, ports, ranks
 
     monkeypatch.delenv("MASTER_PORT", raising=False)  # conftest restores what the launcher sets
     given: list[int] = []

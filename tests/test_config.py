@@ -10,9 +10,9 @@ from hydra.errors import ConfigCompositionException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
-from project import build
-from project.errors import UserError
-from project.tasks.training import train
+from engine import build
+from engine.errors import UserError
+from engine.tasks.training import train
 
 GROUPS = [
     "data",

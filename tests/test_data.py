@@ -6,10 +6,10 @@ import torchvision
 from conftest import write_idx
 from torch.utils.data import DataLoader, DistributedSampler
 
+from engine.data.tensors import TensorDataset, _batch_as_is
+from engine.errors import UserError
 from project.data.digits import DigitsDataModule, read_mnist_5k
 from project.data.mnist import MNISTDataModule
-from project.data.tensors import TensorDataset, _batch_as_is
-from project.errors import UserError
 
 
 def hashes(images: torch.Tensor) -> list[bytes]:

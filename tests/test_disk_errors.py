@@ -13,7 +13,7 @@ def test_an_error_whose_chain_leads_back_to_itself_ends_the_run(cli, tmp_path):
     regression fails here rather than hanging the suite."""
     import threading
 
-    from project.errors import UserError, user_error_in
+    from engine.errors import UserError, user_error_in
 
     logged = ValueError("you tried to log a value")
     disk = OSError(30, "Read-only file system")
@@ -71,7 +71,7 @@ def test_a_disk_error_in_the_event_writer_thread_is_left_to_the_runs_one_line(tm
 
     from tensorboard.summary.writer import record_writer
 
-    from project.loggers.tensorboard import TensorBoardLogger
+    from engine.loggers.tensorboard import TensorBoardLogger
 
     printed: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))  # prints, as Python's
@@ -104,7 +104,7 @@ def test_the_line_that_ends_a_run_goes_to_its_log_file_only_while_it_runs_and_ne
     import logging
     import shutil
 
-    from project.errors import run_log, say
+    from engine.errors import run_log, say
 
     root = logging.getLogger()
     job = tmp_path / "job"

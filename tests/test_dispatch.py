@@ -1,4 +1,4 @@
-"""Lightning's hook dispatch, trimmed (project.callbacks.dispatch): a callback still gets every per-batch hook its
+"""Lightning's hook dispatch, trimmed (engine.callbacks.dispatch): a callback still gets every per-batch hook its
 class overrides, on every batch; the hooks it leaves as no-ops are skipped; a profiler asked for still profiles."""
 
 import lightning.pytorch as L
@@ -6,9 +6,9 @@ import pytest
 from lightning.pytorch.profilers import SimpleProfiler
 from user_models import LIT_AUTOENCODER
 
-from project import build
-from project.callbacks.dispatch import PER_BATCH_HOOKS, QuietProfiler
-from project.tasks.training import train
+from engine import build
+from engine.callbacks.dispatch import PER_BATCH_HOOKS, QuietProfiler
+from engine.tasks.training import train
 
 TRAIN_BATCHES, VAL_BATCHES = 3, 2
 
@@ -96,7 +96,7 @@ def test_a_profiler_asked_for_is_the_one_used_and_sees_the_callbacks(make_cfg, c
 
 
 def test_self_log_does_not_move_its_result_to_where_it_already_is(make_cfg, monkeypatch, tmp_path):
-    """project.loggers.logged_values: Lightning moved each logged value's result object to the value's device on
+    """engine.loggers.logged_values: Lightning moved each logged value's result object to the value's device on
     every self.log call (300-400 µs); now only when something in it is elsewhere. A user's module that logs every
     step logs the same values with and without the skip, and on one device never needs the move."""
     import json
@@ -105,7 +105,7 @@ def test_self_log_does_not_move_its_result_to_where_it_already_is(make_cfg, monk
     from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric
     from torchmetrics import MeanMetric
 
-    from project.loggers import logged_values
+    from engine.loggers import logged_values
 
     lightnings, moves = logged_values._lightnings_to, []
 
@@ -143,7 +143,7 @@ def test_the_training_bar_takes_the_count_at_most_refresh_rate_times_a_second_an
     second): on millisecond steps, a cost the display never shows."""
     from lightning.pytorch.callbacks import RichProgressBar
 
-    import project.callbacks.progress as progress
+    import engine.callbacks.progress as progress
 
     taken: list[int] = []
     monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda self, t, m, o, b, i: taken.append(i))

@@ -13,11 +13,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from probes import StepLosses
 from torchmetrics import Metric
 
+from engine.strategies.dp import DataParallelStrategy, _split, simulated_ops
+from engine.strategies.pieces import combine
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
-from project.strategies.dp import DataParallelStrategy, _split, simulated_ops
-from project.strategies.pieces import combine
 
 
 class LabelSum(Metric):
@@ -80,7 +80,7 @@ def fit(strategy, devices: int, module: type = ImageClassifier, accelerator: str
 
 
 def test_dp_on_a_cpu_accelerator_is_refused_naming_ddp():
-    import project.strategies  # noqa: F401
+    import engine.strategies  # noqa: F401
 
     with pytest.raises(MisconfigurationException, match="trainer.strategy=ddp trainer.accelerator=cpu"):
         L.Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
@@ -155,8 +155,8 @@ def test_dp_on_two_gpus_trains_like_one():
 def test_simulated_replicas_keep_batchnorm_statistics_like_torch_does():
     """torch's replicate hands replica 0 the root's buffers and the others copies: after a dp step the root's
     running statistics are those of replica 0's chunk only."""
+    from engine.strategies.dp import _replicate_sharing_parameters
     from project.models.lenet import LeNet
-    from project.strategies.dp import _replicate_sharing_parameters
 
     torch.manual_seed(0)
     net = LeNet().train()

@@ -36,12 +36,12 @@ SETUPS = {
     "single": ["trainer.devices=1", f"data.batch_size={GLOBAL_BATCH}"],
     "ddp": ["trainer=ddp", "trainer.devices=2", f"data.batch_size={GLOBAL_BATCH // 2}"],
     "fsdp": ["trainer=fsdp", "trainer.devices=2", f"data.batch_size={GLOBAL_BATCH // 2}"],
-    # dp's replica logic on CPU: the same strategy code, replicas simulated (see project.strategies.dp)
+    # dp's replica logic on CPU: the same strategy code, replicas simulated (see engine.strategies.dp)
     "dp": [
         "trainer.devices=2",
         f"data.batch_size={GLOBAL_BATCH}",
-        "trainer.strategy={_target_:project.strategies.dp.DataParallelStrategy,"
-        "ops:{_target_:project.strategies.dp.simulated_ops}}",
+        "trainer.strategy={_target_:engine.strategies.dp.DataParallelStrategy,"
+        "ops:{_target_:engine.strategies.dp.simulated_ops}}",
     ],
 }
 

@@ -12,10 +12,10 @@ import torch
 from conftest import run_dirs
 from omegaconf import OmegaConf
 
-from project import build
+from engine import build
+from engine.data.tensors import normalize, split
+from engine.tasks.export import export
 from project.data.digits import MNIST_MEAN, MNIST_STD, read_mnist_5k
-from project.data.tensors import normalize, split
-from project.tasks.export import export
 
 NETS = ["lenet", "mlp", "resnet18", "tiny_cnn"]
 FORMATS = ["onnx", "torch_export"]
@@ -30,7 +30,7 @@ for onnx_file, pt2_file, pixels_file in json.loads(sys.argv[1]):
     onnx = onnxruntime.InferenceSession(onnx_file).run(["logits"], {"pixels": pixels.numpy()})[0]
     pt2 = torch.export.load(pt2_file).module()(pixels).detach().numpy()
     outputs[onnx_file] = {"onnx": onnx.tolist(), "pt2": pt2.tolist()}
-assert not [m for m in sys.modules if m == "project" or m.startswith("project.")]
+assert not [m for m in sys.modules if m.split(".")[0] in ("project", "engine")]
 print(json.dumps(outputs))
 """
 
@@ -96,8 +96,8 @@ def test_one_image_at_a_time_gives_the_same_logits_as_a_batch(make_cfg, tmp_path
 def test_a_sharded_fsdp_checkpoint_is_gathered_and_exported(cli, tmp_path, test_pixels):
     import onnxruntime
 
-    from project.runs.checkpoints import load_model
-    from project.runs.full_model import load_full_model
+    from engine.runs.checkpoints import load_model
+    from engine.runs.full_model import load_full_model
 
     cli(
         "train.py",

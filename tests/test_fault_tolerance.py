@@ -66,7 +66,7 @@ def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
 )
 def test_a_run_killed_at_any_step_resumes_bit_for_bit(tmp_path, unbroken, kill_at, wait):
     """`wait`: the kill comes once the saves before it are on disk; else at once, maybe while the writer thread is
-    still writing the newest (project.runs.atomic_io): the one before it is then the newest whole one."""
+    still writing the newest (engine.runs.atomic_io): the one before it is then the newest whole one."""
     env = {"KILL_AT_STEP": str(kill_at), **({} if wait else {"KILL_WITHOUT_WAITING": "1"})}
     killed = train(tmp_path / "killed", *RUN, env=env, check=False)
     assert killed.returncode == -signal.SIGKILL
@@ -277,7 +277,7 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from project.runs.continuing import continue_command
+    from engine.runs.continuing import continue_command
 
     def command(*overrides: str, mode: RunMode = RunMode.RUN, **env: str) -> str:
         hydra = SimpleNamespace(mode=mode, overrides=SimpleNamespace(task=list(overrides)))

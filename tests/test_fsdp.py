@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import run_dirs
 
-from project import build
-from project.strategies.fsdp import FSDPStrategy
+from engine import build
+from engine.strategies.fsdp import FSDPStrategy
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "model=mlp", "debug=limit", "~callbacks.early_stopping"]
 

@@ -18,11 +18,11 @@ from conftest import cli_env, run_dirs, tensorboard_scalars
 from probes import StepLosses
 from user_models import ResidualNet
 
+from engine.strategies.dp import DataParallelStrategy
+from engine.strategies.pipe import PipeStrategy
+from engine.tasks.training import train
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ImageClassifier
-from project.strategies.dp import DataParallelStrategy
-from project.strategies.pipe import PipeStrategy
-from project.tasks.training import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -73,7 +73,7 @@ def test_mixed_precision_computes_in_its_type_on_the_gpu(make_cfg, tmp_path, pre
 @pytest.mark.parametrize("trainer", ["gpu", "ddp"], ids=["one GPU", "ddp over NCCL, 1 process"])
 def test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements(cli, tmp_path, trainer):
     """torch's sync debug mode names every operation that makes the host wait for the GPU, the implicit ones too
-    (tests/sync_counter.py's SyncCounter): the template's own are the agreements of project.callbacks.checks alone."""
+    (tests/sync_counter.py's SyncCounter): the template's own are the agreements of engine.callbacks.checks alone."""
     probe = tmp_path / "probe"
     probe.mkdir()
     cli(
@@ -168,7 +168,7 @@ def test_dp_and_pipe_take_the_same_steps_on_cuda_as_one_gpu(one_gpu, strategy):
 
 def test_the_gpu_is_listed_used_by_default_and_refused_in_one_line_once_hidden(cli, tmp_path):
     listed = subprocess.run(
-        [sys.executable, "-m", "project.launch.devices"], capture_output=True, text=True, env=cli_env()
+        [sys.executable, "-m", "engine.launch.devices"], capture_output=True, text=True, env=cli_env()
     )
     assert re.search(r"CUDA: [1-9]\d* device\(s\)", listed.stdout), listed.stdout + listed.stderr
     assert "  cuda:0  " in listed.stdout and "picks: CUDAAccelerator on cuda:0" in listed.stdout, listed.stdout
@@ -193,12 +193,12 @@ def test_a_parallel_sweep_gives_each_worker_its_gpu_and_refuses_more_workers_tha
 
 
 def test_throughput_counts_a_users_cnn_and_gives_mfu_against_the_gpus_peak(cli, tmp_path):
-    """The FLOPs of the first batch, counted on the GPU (project.callbacks.throughput), and MFU over the peak of
+    """The FLOPs of the first batch, counted on the GPU (engine.callbacks.throughput), and MFU over the peak of
     Lightning's table for this GPU (an H200 under the name CUDA gives it, which Lightning 2.6 does not parse)."""
     from lightning.fabric.utilities.throughput import get_available_flops
     from test_throughput import tutorial_cnn_flops
 
-    from project.callbacks.throughput import _peak_lightning_misses
+    from engine.callbacks.throughput import _peak_lightning_misses
 
     sizes = ["data.batch_size=64", "trainer.max_epochs=1", "+trainer.limit_train_batches=30", "test=false"]
     cli("train.py", "trainer=gpu", *TUTORIAL_CNN, "callbacks=[default,throughput]", *sizes, cold=True)
@@ -224,7 +224,7 @@ def test_throughput_counts_a_users_cnn_and_gives_mfu_against_the_gpus_peak(cli, 
 @pytest.mark.parametrize("precision", ["fp16_mixed", "bf16_mixed"])
 def test_a_mixed_precision_run_killed_on_the_gpu_resumes_bit_for_bit(cli, tmp_path, precision):
     """kill -9 mid-epoch, resume from last.ckpt: the same weights as the unbroken run, to the bit. What only a GPU
-    has: dropout drawn from the CUDA generator (project.callbacks.run_state saves its state) and, in fp16, the
+    has: dropout drawn from the CUDA generator (engine.callbacks.run_state saves its state) and, in fp16, the
     gradient scaler's state (the scale, and when it next grows)."""
     from test_fault_tolerance import RUN, assert_same_weights, weights
 

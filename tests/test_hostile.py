@@ -94,8 +94,8 @@ def test_two_runs_started_at_once_into_one_named_directory_cannot_both_have_it(t
     refused in one line. A run the guard let in holds the claim (a later run is refused for it too)."""
     import multiprocessing
 
-    from project.errors import UserError
-    from project.runs.dirs import CLAIM, claim, earlier_files
+    from engine.errors import UserError
+    from engine.runs.dirs import CLAIM, claim, earlier_files
 
     assert (trained[1] / CLAIM).is_file()
     context = multiprocessing.get_context("fork")

@@ -12,10 +12,10 @@ from conftest import run_dirs
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
+from engine.data.tensors import normalize
 from project.data.digit_images import write_digit_images
 from project.data.digits import MNIST_MEAN, MNIST_STD
 from project.data.image_folder import ImageFolderDataModule
-from project.data.tensors import normalize
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The Optuna search (hparams_search=digits_optuna, src/hydra_plugins/project_optuna_sweeper) through the real CLI."""
+"""The Optuna search (hparams_search=digits_optuna, src/hydra_plugins/engine_optuna_sweeper) through the real CLI."""
 
 import os
 import signal

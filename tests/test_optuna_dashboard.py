@@ -1,5 +1,5 @@
 """Looking at an Optuna study: the real optuna-dashboard server on the study a real sweep made, read through its HTTP
-API, and Optuna's own plots in the sweep summary (src/hydra_plugins/project_optuna_sweeper/plots.py)."""
+API, and Optuna's own plots in the sweep summary (src/hydra_plugins/engine_optuna_sweeper/plots.py)."""
 
 import csv
 import json
@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, cli_env, run_python
 from PIL import Image
 
-from hydra_plugins.project_optuna_sweeper import plots
+from hydra_plugins.engine_optuna_sweeper import plots
 
 PLOTS = ("optuna_history.png", "optuna_importances.png", "optuna_intermediate.png")
 

@@ -1,5 +1,5 @@
 """Cutting nets into stages and choosing FSDP units: what pipe, pipeline and fsdp share
-(project.strategies.split, project.strategies.parallelize), on the template's nets and on nets written the way
+(engine.strategies.split, engine.strategies.parallelize), on the template's nets and on nets written the way
 users write them (tests/user_models.py): a tutorial CNN, a residual net, a torchvision factory."""
 
 import pytest
@@ -8,13 +8,13 @@ import torchvision
 from torch import nn
 from user_models import GatedNet, ResidualNet, TutorialCNN
 
-from project.errors import UserError
+from engine.errors import UserError
+from engine.strategies import split
+from engine.strategies.parallelize import _cut, balance, fsdp_units, plan_stages
 from project.models.lenet import LeNet
 from project.models.mlp import MLP
 from project.models.resnet import ResNet18
 from project.models.tiny_cnn import TinyCNN
-from project.strategies import split
-from project.strategies.parallelize import _cut, balance, fsdp_units, plan_stages
 
 NETS = {
     "lenet": (LeNet, 1),

@@ -16,11 +16,11 @@ from conftest import run_dirs
 from probes import StepLosses
 from user_models import Gated, GatedNet, ResidualNet, TutorialCNN
 
+from engine.errors import UserError
+from engine.strategies.pipe import PipeStrategy, clock
 from project.data.digits import DigitsDataModule
-from project.errors import UserError
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
-from project.strategies.pipe import PipeStrategy, clock
 
 
 def fit(strategy, devices: int, batch_size: int = 50, max_epochs: int = 2, net=None, channels: int = 1, lr=0.1):
@@ -160,7 +160,7 @@ def test_a_net_that_changes_its_own_buffer_in_forward_is_refused_and_left_as_it_
     stages run the trace. The count stayed at 1 under pipe and pipeline, without a word."""
     from user_models import CountsItsSteps
 
-    from project.strategies import split
+    from engine.strategies import split
 
     net = CountsItsSteps()
     with pytest.raises(UserError, match=r"its forward changes its own buffer 'steps' in Python code of its own"):

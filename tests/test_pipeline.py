@@ -23,13 +23,13 @@ from torch import nn
 from torchmetrics import MeanMetric
 from user_models import Gated
 
-from project import build
-from project.errors import UserError
+from engine import build
+from engine.errors import UserError
+from engine.strategies import pipeline_checkpoints as ckpt
+from engine.strategies import pipeline_stages as st
+from engine.strategies.pipeline import PipelineStrategy
 from project.models.classifier import ImageClassifier
 from project.models.mlp import MLP
-from project.strategies import pipeline_checkpoints as ckpt
-from project.strategies import pipeline_stages as st
-from project.strategies.pipeline import PipelineStrategy
 
 # 210 training digits: batches of 64, 64, 64 and 18 per epoch; accumulation 2, so 2 optimizer steps per epoch.
 # Clipping at 0.5 clips every step (the MLP's gradient norm starts near 2): the norm must span both stages.

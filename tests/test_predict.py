@@ -11,11 +11,11 @@ import torch
 from conftest import run_dirs
 from PIL import Image
 
+from engine.data.inputs import PredictInputs
+from engine.data.spec import InputSpec, input_spec
+from engine.data.tensors import normalize
+from engine.errors import UserError
 from project.data.digits import MNIST_MEAN, MNIST_STD, read_mnist_5k
-from project.data.inputs import PredictInputs
-from project.data.spec import InputSpec, input_spec
-from project.data.tensors import normalize
-from project.errors import UserError
 
 SPEC = InputSpec(channels=1, height=28, width=28, mean=(MNIST_MEAN,), std=(MNIST_STD,))
 
@@ -63,7 +63,7 @@ def test_the_spec_of_each_data_config():
     with pytest.raises(UserError, match="may only name classes"):
         input_spec({"_target_": "os.system"})
     with pytest.raises(UserError, match="does not say what its images look like"):
-        input_spec({"_target_": "project.data.tensors.TensorDataModule"})
+        input_spec({"_target_": "engine.data.tensors.TensorDataModule"})
 
 
 def test_idx_images_are_normalized_exactly_as_training_did(tmp_path, digits):
@@ -108,7 +108,7 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, content, message):
 
 @pytest.mark.slow
 def test_predict_writes_one_row_per_input_in_order_with_the_models_probabilities(cli, tmp_path, checkpoint, digits):
-    from project.runs.checkpoints import load_model
+    from engine.runs.checkpoints import load_model
 
     idx = write_idx_images(tmp_path / "t10k-images-idx3-ubyte", digits)
     cli("predict.py", f"ckpt_path={checkpoint}", f"input={idx}", "batch_size=8")

@@ -72,7 +72,7 @@ def test_lightning_internals_used_by_strategies_launch_and_loggers():
     # loggers/logged_values.py: every self.log moves its result object with `.to(<a device>)`, the call it shortens
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    from project.loggers.logged_values import _lightnings_to
+    from engine.loggers.logged_values import _lightnings_to
 
     assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log)
     assert "apply_to_collection" in inspect.getsource(_lightnings_to)  # Lightning's own, whatever is installed
@@ -126,7 +126,7 @@ def test_torch_internals_used_by_dp_and_the_tensorboard_logger():
     from torch.utils.tensorboard import _pytorch_graph as pytorch_graph
     from torch.utils.tensorboard.writer import FileWriter
 
-    from project.callbacks.tensorboard import _graph
+    from engine.callbacks.tensorboard import _graph
 
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Flatten()).eval()
     example = torch.zeros(2, 1, 5, 5)

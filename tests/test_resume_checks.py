@@ -1,17 +1,17 @@
-"""What a resume checks before Lightning restores anything (project.runs.resume): where the best file of a moved
+"""What a resume checks before Lightning restores anything (engine.runs.resume): where the best file of a moved
 run is, settings the restore would ignore, and checkpoint folders that hold another run's checkpoints."""
 
 import re
 
 import pytest
 
-from project.errors import UserError
+from engine.errors import UserError
 
 
 def test_a_moved_run_folder_tests_the_best_checkpoint_beside_the_one_it_resumed_from(tmp_path):
     """A finished run moved elsewhere and resumed (nothing left to train) still records its best file at the old
     place: the same file beside ckpt_path is tested; with neither, one line names the way out."""
-    from project.runs.resume import best_to_test
+    from engine.runs.resume import best_to_test
 
     old, moved = tmp_path / "run" / "checkpoints", tmp_path / "moved" / "checkpoints"
     moved.mkdir(parents=True)
@@ -38,7 +38,7 @@ def test_resuming_with_other_optimizer_settings_is_refused_not_ignored(make_cfg,
     (and recorded in the new checkpoints), another optimizer fails deep in the restore with a KeyError."""
     from omegaconf import OmegaConf
 
-    from project.runs.resume import check_same_model
+    from engine.runs.resume import check_same_model
 
     saved = OmegaConf.to_container(make_cfg("model=mlp"), resolve=True)
     ckpt = {"hyper_parameters": saved, "epoch": 1, "global_step": 9, "state_dict": {}, "loops": {}}
@@ -53,7 +53,7 @@ def test_a_checkpoint_folder_shared_with_another_run_is_refused_before_it_is_ove
     last.ckpt would silently replace that run's. A restarted job (its own files) goes on."""
     from omegaconf import OmegaConf
 
-    from project.runs.resume import check_output_dirs
+    from engine.runs.resume import check_output_dirs
 
     shared = tmp_path / "shared"
     callbacks = OmegaConf.create({"model_checkpoint": {"dirpath": str(shared)}, "last_checkpoint": {"dirpath": None}})
@@ -72,7 +72,7 @@ def test_a_shorter_schedule_is_refused_with_what_it_would_do_and_never_stretched
     """A run of T_max=20 resumed with trainer.max_epochs=2: the message said the schedule "would end at epoch 20
     and go up again" (what more epochs do); fewer epochs stop it before its end. Stretched to an end the checkpoint
     is already past, the run trained nothing and exited 0, testing the old best file."""
-    from project.runs.resume import schedule_length
+    from engine.runs.resume import schedule_length
 
     def saved(epoch: int, at_its_end: bool) -> dict:
         progress = {"current": {"processed": epoch + at_its_end, "completed": epoch}}

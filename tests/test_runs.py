@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.runs.dirs import run_dir, unique_dir
-from project.tasks.seeding import seed_run
+from engine.runs.dirs import run_dir, unique_dir
+from engine.tasks.seeding import seed_run
 
 
 def test_unique_dir_never_hands_out_the_same_dir_twice(tmp_path: Path):
@@ -57,7 +57,7 @@ def test_a_resumed_run_reads_its_checkpoint_once(make_cfg, tmp_path, monkeypatch
     """One CRC pass and one load, for every check before the run and for Lightning's restore."""
     import zipfile
 
-    from project.tasks.training import train
+    from engine.tasks.training import train
 
     first = make_cfg("model=mlp", "profile=tiny", "trainer.max_epochs=1", "logger=none")
     train(first)
@@ -87,7 +87,7 @@ def test_output_folders_are_made_and_checked_at_start_but_a_remote_one_is_left_t
 ):
     """Every local folder the run writes to is made at start; a checkpoint dirpath on fsspec storage
     (`s3://...`, which Lightning's checkpointing supports) made a local `s3:` folder in the working directory."""
-    from project.runs.dirs import make_output_dirs
+    from engine.runs.dirs import make_output_dirs
 
     monkeypatch.chdir(tmp_path)
     cfg = make_cfg(
@@ -100,8 +100,8 @@ def test_output_folders_are_made_and_checked_at_start_but_a_remote_one_is_left_t
 def test_a_refused_output_folder_leaves_none_of_the_folders_made_before_it(make_cfg, tmp_path):
     """Folders are made one after the other: one that cannot be written, found after a logger's new save_dir was
     made, left that save_dir behind."""
-    from project.errors import UserError
-    from project.runs.dirs import make_output_dirs
+    from engine.errors import UserError
+    from engine.runs.dirs import make_output_dirs
 
     cfg = make_cfg(
         f"logger.tensorboard.save_dir={tmp_path / 'new' / 'a' / 'b'}", "callbacks.model_checkpoint.dirpath=/proc/self"
@@ -113,7 +113,7 @@ def test_a_refused_output_folder_leaves_none_of_the_folders_made_before_it(make_
 
 def test_a_home_relative_folder_is_made_and_checked_in_the_home_folder(make_cfg, tmp_path, monkeypatch):
     """Lightning writes a dirpath of `~/x` under $HOME; the start made (and checked) a literal `./~/x` instead."""
-    from project.runs.dirs import make_output_dirs
+    from engine.runs.dirs import make_output_dirs
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -181,7 +181,7 @@ def test_sigterm_to_one_ddp_rank_during_the_test_stops_the_test(tmp_path):
 def test_ctrl_c_outside_a_run_is_one_line_and_exit_130():
     """Between a sequential sweep's jobs no run's handler is installed: Hydra's loop got a KeyboardInterrupt, and the
     sweep ended in a 49-line traceback."""
-    script = "from project.entry import cli\n\ndef main():\n    raise KeyboardInterrupt\n\ncli(main)\n"
+    script = "from engine.cli import cli\n\ndef main():\n    raise KeyboardInterrupt\n\ncli(main)\n"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60)
     assert (proc.returncode, proc.stderr) == (130, "stopped by SIGINT\n")
 
@@ -260,7 +260,7 @@ def test_the_command_to_continue_quotes_a_path_that_hydra_would_split():
     Hydra's grammar then split it ("LexerNoViableAltException"), so the command to continue did not run."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from project.runs.continuing import resume_override
+    from engine.runs.continuing import resume_override
 
     parser = OverridesParser.create()
     for path in ["/tmp/plain/last.ckpt", "/tmp/spa ce/ünï 数字/it's [1],x=y\\z\\'/last.ckpt", "/tmp/a b\\"]:

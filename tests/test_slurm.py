@@ -18,9 +18,9 @@ from conftest import REPO, TESTS, WARM, cli_env, dead_pid, run_dirs, run_python
 from hydra import compose, initialize_config_dir
 from slurm_cluster import Cluster
 
-from project import build
-from project.runs import atomic_io
-from project.runs.resume import resume_point
+from engine import build
+from engine.runs import atomic_io
+from engine.runs.resume import resume_point
 
 SLURM_ENV = {
     "SLURM_NTASKS": "1",
@@ -100,7 +100,7 @@ def test_a_restarted_job_resumes_from_its_furthest_checkpoint_whatever_the_files
     os.utime(tmp_path / "hpc_ckpt_1.ckpt", (time.time() - 600, time.time() - 600))
     assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(tmp_path / "hpc_ckpt_1.ckpt")
     (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"PK\x03\x04 torn")  # cut off: the furthest whole one, and why
-    with caplog.at_level("WARNING", logger="project.runs.resume"):
+    with caplog.at_level("WARNING", logger="engine.runs.resume"):
         assert resume_point(tmp_path, restarted=True, ckpt_path=None) == str(folder / "last.ckpt")
     assert f"Not resuming from {tmp_path / 'hpc_ckpt_1.ckpt'}: it cannot be loaded (" in caplog.text
     # the hidden files of saves the stop cut off (Lightning's requeue save too, beside the checkpoints folder) go
@@ -349,8 +349,8 @@ def test_a_job_sbatch_refuses_is_one_line_naming_the_launcher_settings(tmp_path)
     the sweep dir stayed, holding .submitit/ alone."""
     from submitit.core.utils import FailedJobError
 
-    from project.entry import _sbatch_refused
-    from project.runs import dirs
+    from engine.cli import _sbatch_refused
+    from engine.runs import dirs
 
     refusal = FailedJobError(
         "Could not make sbatch call.\nsbatch: error: Memory specification can not be satisfied\n"

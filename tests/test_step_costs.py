@@ -1,5 +1,5 @@
 """What the template adds to a training step: no collective and no host sync of its own, except the one agreement
-every checks.every_n_steps steps (project.callbacks.checks). Counted on both ranks of a real ddp run by
+every checks.every_n_steps steps (engine.callbacks.checks). Counted on both ranks of a real ddp run by
 tests/sync_counter.py's SyncCounter, which wraps torch.distributed's calls and the tensor methods that read a value back
 to the host, and names who made each call (this project's src/, Lightning, torchmetrics)."""
 
@@ -61,11 +61,11 @@ def test_a_ddp_step_makes_no_collective_and_no_host_sync_of_the_templates_betwee
 
 
 def test_a_save_right_after_an_agreement_does_not_agree_again(make_cfg, monkeypatch):
-    """Before a checkpoint the ranks agree the run is sound (project.callbacks.checks), unless they just did on the
+    """Before a checkpoint the ranks agree the run is sound (engine.callbacks.checks), unless they just did on the
     same weights and losses: at an epoch's end they agree once (signals too), and the best and last saves right
     after do not agree again (they did, 3 agreements in all). A save after more steps agrees again."""
-    from project.callbacks.checks import RunChecks
-    from project.tasks.training import train
+    from engine.callbacks.checks import RunChecks
+    from engine.tasks.training import train
 
     agreed = collections.Counter()
     original = RunChecks._agree
@@ -98,7 +98,7 @@ def test_weights_changed_in_place_since_the_agreement_are_agreed_on_again():
 
     import torch
 
-    from project.callbacks.checks import RunChecks
+    from engine.callbacks.checks import RunChecks
 
     checks, module = RunChecks(every_n_steps=1000), torch.nn.Linear(2, 1)
     trainer = SimpleNamespace(global_step=5, strategy=SimpleNamespace(root_device=torch.device("cpu")))
@@ -119,7 +119,7 @@ def test_a_steps_checks_and_loss_mean_cost_two_tensor_ops_each():
 
     import torch
 
-    from project.callbacks.checks import RunChecks
+    from engine.callbacks.checks import RunChecks
     from project.models.metrics import Mean
 
     checks, mean = RunChecks(every_n_steps=20), Mean()
@@ -167,7 +167,7 @@ def test_an_agreement_in_one_process_costs_the_same_few_tensor_ops_whatever_the_
     import torch
     from user_models import ResidualNet
 
-    from project.callbacks.checks import DivergedError, RunChecks
+    from engine.callbacks.checks import DivergedError, RunChecks
 
     def agreement(net: torch.nn.Module, loss: float = 1.0, signum: int = 0, weight: float | None = None) -> RunChecks:
         """A first agreement at step 20 on a sound run, then at step 40 the one counted: after a step whose loss was
@@ -210,7 +210,7 @@ def test_a_divergence_before_any_check_passed_names_no_last_finite_loss(tmp_path
 
     import torch
 
-    from project.callbacks.checks import DivergedError, RunChecks
+    from engine.callbacks.checks import DivergedError, RunChecks
 
     checks = RunChecks(every_n_steps=20)
     trainer = one_process_trainer(step=20, root=tmp_path)
@@ -233,7 +233,7 @@ def test_finite_fp16_weights_whose_norm_fp16_cannot_hold_are_not_a_divergence():
 
     import torch
 
-    from project.callbacks.checks import RunChecks
+    from engine.callbacks.checks import RunChecks
 
     checks, module = RunChecks(every_n_steps=1000), torch.nn.Linear(1000, 100).half()
     with torch.no_grad():
@@ -250,7 +250,7 @@ def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(mak
     import torch
     from lightning.pytorch import Callback
 
-    from project.tasks.training import train
+    from engine.tasks.training import train
 
     if torch.cuda.device_count():
         pytest.skip("a GPU is visible: the NVML check answers once CUDA is initialized")
@@ -264,7 +264,7 @@ def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(mak
         def on_train_end(self, trainer, pl_module):
             monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", original)
 
-    monkeypatch.setattr("project.build._how_a_run_ends", _with(Count()))
+    monkeypatch.setattr("engine.build._how_a_run_ends", _with(Count()))
     cfg = make_cfg(
         *LIT_AUTOENCODER,
         "trainer.accelerator=cpu",
@@ -277,7 +277,7 @@ def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(mak
 
 
 def _with(extra):
-    import project.build
+    import engine.build
 
-    original = project.build._how_a_run_ends
+    original = engine.build._how_a_run_ends
     return lambda *args: [*original(*args), extra]

@@ -118,7 +118,7 @@ def test_hparams_shows_what_people_vary_with_the_real_final_metrics(server, logs
 
 def test_screenshots_need_chromium_and_say_so(logs, tmp_path):
     env = cli_env(PATH=str(tmp_path))  # no chromium on this PATH
-    proc = run_python([sys.executable, "-m", "project.loggers.screenshots", str(logs)], tmp_path, env)
+    proc = run_python([sys.executable, "-m", "engine.loggers.screenshots", str(logs)], tmp_path, env)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no Chromium found: install Debian's chromium")
 
 
@@ -126,7 +126,7 @@ def test_screenshots_need_chromium_and_say_so(logs, tmp_path):
 def test_screenshots_of_the_scalars_hparams_and_images_pages(logs):
     run, _ = single_run(logs)
     proc = subprocess.run(
-        [sys.executable, "-m", "project.loggers.screenshots", str(logs), str(run)],
+        [sys.executable, "-m", "engine.loggers.screenshots", str(logs), str(run)],
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -139,7 +139,7 @@ def test_screenshots_of_the_scalars_hparams_and_images_pages(logs):
 
 
 def test_a_run_killed_after_a_checkpoint_keeps_its_scalars_up_to_that_checkpoint(cli, tmp_path):
-    """Events reach the file every `flush_secs` and after every checkpoint (project.loggers.tensorboard), not
+    """Events reach the file every `flush_secs` and after every checkpoint (engine.loggers.tensorboard), not
     after every log call: a kill -9 loses at most what came after the last checkpoint, which a resume redoes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -194,14 +194,14 @@ def test_a_run_stopped_by_a_signal_before_any_checkpoint_keeps_the_scalars_it_lo
 
 
 def test_event_checksums_are_tensorboards_own_and_its_reader_accepts_a_runs_records(logs):
-    """The C checksum (project.loggers.tensorboard) gives TensorBoard's values; its reader checks every record of a
+    """The C checksum (engine.loggers.tensorboard) gives TensorBoard's values; its reader checks every record of a
     run written with it (a wrong checksum is a DataLossError there)."""
     import os
 
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
 
-    from project.loggers.tensorboard import masked_crc32c
+    from engine.loggers.tensorboard import masked_crc32c
 
     for size in (0, 1, 7, 64, 4097, 60_000):
         data = os.urandom(size)
@@ -222,7 +222,7 @@ def test_a_logger_rebuilt_from_a_pickle_uses_the_fast_checksums_too(tmp_path, mo
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
     from tensorboard.summary.writer import record_writer
 
-    from project.loggers.tensorboard import TensorBoardLogger, masked_crc32c
+    from engine.loggers.tensorboard import TensorBoardLogger, masked_crc32c
 
     pickled = pickle.dumps(TensorBoardLogger(str(tmp_path)))
     monkeypatch.setattr(record_writer, "masked_crc32c", tensorboards)  # a fresh process
@@ -242,7 +242,7 @@ def test_a_log_call_is_one_event_and_tensorboard_reads_what_lightnings_logger_wr
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    from project.loggers.tensorboard import TensorBoardLogger
+    from engine.loggers.tensorboard import TensorBoardLogger
 
     calls = [
         ({"val/loss": torch.tensor(0.25), "val/acc": 0.5, "epoch": 3, "count": np.float32(2.0)}, 7),
@@ -286,7 +286,7 @@ def test_logged_scalars_reach_the_writer_thread_in_batches_at_checkpoints_every_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.summary.writer.event_file_writer import _AsyncWriter
 
-    from project.loggers import tensorboard
+    from engine.loggers import tensorboard
 
     handed: list[bytes] = []
     write = _AsyncWriter.write
@@ -342,7 +342,7 @@ def test_a_failed_runs_logger_closes_without_replacing_the_runs_error_with_a_wri
     reports the write's error."""
     import errno
 
-    from project.loggers.tensorboard import TensorBoardLogger
+    from engine.loggers.tensorboard import TensorBoardLogger
 
     for status in ("failed", "success"):
         logger = TensorBoardLogger(str(tmp_path), version=status)

@@ -1,4 +1,4 @@
-"""The figures and the graph the TensorBoard callback (project.callbacks.tensorboard) draws: when, from what, in a
+"""The figures and the graph the TensorBoard callback (engine.callbacks.tensorboard) draws: when, from what, in a
 thread that leaves training alone, for the template's classifier and for nets written as users write them. The
 server that shows them: tests/test_tensorboard.py."""
 
@@ -19,8 +19,8 @@ def test_figures_are_drawn_with_no_torch_op_in_their_thread(make_cfg, monkeypatc
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.overrides import TorchFunctionMode
 
-    import project.callbacks.tensorboard as insights
-    from project.tasks.training import train
+    import engine.callbacks.tensorboard as insights
+    from engine.tasks.training import train
 
     calls: list[str] = []
 
@@ -49,7 +49,7 @@ def test_an_image_summary_is_the_array_as_a_lossless_png():
     import numpy as np
     from PIL import Image
 
-    from project.loggers import figures
+    from engine.loggers import figures
 
     drawn = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
     (value,) = figures.image_summary("val/samples", drawn).value
@@ -65,7 +65,7 @@ def test_figures_come_at_most_every_min_interval_and_always_for_the_last_epoch(m
     epoch."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from project.tasks.training import train
+    from engine.tasks.training import train
 
     interval_s = f"callbacks.tensorboard.min_interval_s={interval}"
     cfg = make_cfg("profile=tiny", "model=mlp", "test=false", "trainer.max_epochs=3", interval_s)
@@ -102,8 +102,8 @@ def test_an_evaluation_draws_the_test_sets_figures_for_a_users_net(make_cfg, tmp
     classifier's test_step returns) at the step of its test scalars; here with a net written as users write them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from project.tasks.evaluation import evaluate
-    from project.tasks.training import train
+    from engine.tasks.evaluation import evaluate
+    from engine.tasks.training import train
 
     user_net = ("~model.net", "+model.net._target_=user_models.TutorialCNN")
     train(make_cfg("profile=tiny", *user_net, "logger=none", "test=false"))
@@ -131,7 +131,7 @@ def test_a_confusion_matrix_sized_by_the_labels_grows_with_them(tmp_path):
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from project.callbacks.tensorboard import TensorBoardInsights
+    from engine.callbacks.tensorboard import TensorBoardInsights
 
     class Labels(L.LightningModule):  # no num_classes; predicts the label it is given
         def __init__(self, returns: bool) -> None:
@@ -162,7 +162,7 @@ def test_the_graph_is_traced_once_without_torchs_trace_check(make_cfg, monkeypat
     import torch.jit._trace as tracing
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from project.tasks.training import train
+    from engine.tasks.training import train
 
     checks: list[str] = []
     check = tracing._check_trace
@@ -183,7 +183,7 @@ def test_drawing_the_graph_leaves_each_submodules_mode_as_it_was():
     import torch
     from torch import nn
 
-    from project.callbacks.tensorboard import _graph
+    from engine.callbacks.tensorboard import _graph
 
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(1352, 10))
     net[1].eval()  # frozen by the user

@@ -1,4 +1,4 @@
-"""The FLOP count of `callbacks=[default,throughput]` (project.callbacks.throughput) on users' LightningModules, in
+"""The FLOP count of `callbacks=[default,throughput]` (engine.callbacks.throughput) on users' LightningModules, in
 this process: a module's own `flops_per_batch` is kept, a failing first batch leaves no counter behind, and what
 cannot be counted (dp, pipe: threads) is refused in one line. The count itself, in TensorBoard, is checked on a
 user's CNN through the CLI in tests/test_averaging.py; on a GPU, with MFU, in tests/test_gpu.py."""
@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from user_models import KeepsItsNet, LitAutoEncoder, TutorialCNN
 
-from project.callbacks.throughput import ThroughputMonitor
-from project.errors import UserError
+from engine.callbacks.throughput import ThroughputMonitor
+from engine.errors import UserError
 
 
 class Digits(L.LightningDataModule):
@@ -37,7 +37,7 @@ def fit(module: L.LightningModule, monitor: ThroughputMonitor, **trainer: object
 
 def test_the_first_batch_is_counted_once_and_a_modules_own_count_is_kept(caplog):
     counted = LitAutoEncoder()
-    with caplog.at_level("INFO", logger="project.callbacks.throughput"):
+    with caplog.at_level("INFO", logger="engine.callbacks.throughput"):
         fit(counted, ThroughputMonitor())
     assert "Throughput: 4 training batches, fewer than callbacks.throughput.window_size=10: no rates were logged" in (
         caplog.text
@@ -113,7 +113,7 @@ class SetsItsOwnInSetup(Validated):
 
 
 def test_a_count_the_module_sets_in_its_setup_is_kept_and_not_refused_where_threads_compute():
-    import project.strategies  # noqa: F401  registers pipe
+    import engine.strategies  # noqa: F401  registers pipe
 
     for strategy in ("auto", "pipe"):
         module, monitor = SetsItsOwnInSetup(TutorialCNN()), ThroughputMonitor()
@@ -122,7 +122,7 @@ def test_a_count_the_module_sets_in_its_setup_is_kept_and_not_refused_where_thre
 
 
 def test_an_evaluation_where_threads_compute_is_refused_too():
-    import project.strategies  # noqa: F401  registers pipe
+    import engine.strategies  # noqa: F401  registers pipe
 
     trainer = L.Trainer(callbacks=[ThroughputMonitor()], accelerator="cpu", strategy="pipe", devices=1, logger=False)
     with pytest.raises(UserError, match=r"^callbacks.throughput.count_flops: PipeStrategy computes in threads"):
@@ -157,7 +157,7 @@ def test_a_first_step_that_fails_leaves_no_flop_counter_behind():
 
 def test_counting_where_threads_compute_is_refused_in_one_line():
     """pipe runs on CPU; dp, the other strategy of threads, stops at start there (tests/test_dp.py)."""
-    import project.strategies  # noqa: F401  registers pipe
+    import engine.strategies  # noqa: F401  registers pipe
 
     with pytest.raises(UserError, match=r"^callbacks.throughput.count_flops: PipeStrategy computes in threads"):
         fit(KeepsItsNet(TutorialCNN()), ThroughputMonitor(), strategy="pipe", devices=1)
@@ -172,7 +172,7 @@ def test_an_h200_by_the_name_cuda_gives_it_gets_the_peak_of_lightnings_table(mon
     Lightning finds it, this lookup can go."""
     from lightning.fabric.utilities.throughput import _CUDA_FLOPS, get_available_flops
 
-    from project.callbacks.throughput import _peak_lightning_misses
+    from engine.callbacks.throughput import _peak_lightning_misses
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     cuda = torch.device("cuda", 0)

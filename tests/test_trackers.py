@@ -313,7 +313,7 @@ def test_a_tracker_run_that_cannot_go_on_ends_the_run_at_once_in_one_line(work, 
 def test_sweep_jobs_in_one_process_each_end_their_wandb_run_as_they_ended(tmp_path, monkeypatch):
     """Hydra's basic launcher runs the jobs of a sweep in one process: the next job's W&B run ends the previous
     one, with the previous one's own outcome (a failed job was recorded as a success)."""
-    from project.loggers.wandb import WandbLogger
+    from engine.loggers.wandb import WandbLogger
 
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
     runs = []

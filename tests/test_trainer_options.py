@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import REPO, cli_env, run_dirs, run_python, tensorboard_scalars
 
-from project import build
-from project.errors import UserError
-from project.tasks.training import train
+from engine import build
+from engine.errors import UserError
+from engine.tasks.training import train
 
 
 def test_bf16_mixed_computes_in_bfloat16_on_cpu(make_cfg, tmp_path):
@@ -69,7 +69,7 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-    from project.strategies.ddp import DDPStrategy, ProcessGroupEndingLauncher
+    from engine.strategies.ddp import DDPStrategy, ProcessGroupEndingLauncher
 
     strategy = DDPStrategy(start_method="spawn")
     strategy.cluster_environment = LightningEnvironment()
@@ -106,13 +106,13 @@ def test_a_spawned_ddp_worker_ends_its_process_group_before_it_exits(tmp_path, m
 def test_unused_parameters_are_told_the_setting_of_the_ddp_flavour_in_use():
     """Lightning's message names its own API; the fix named ddp's setting whatever the flavour (a spawned worker's
     error also came back as a traceback: it is a UserError there now, said by the main process)."""
-    from project.errors import unused_parameters_in, user_error_in_traceback
+    from engine.errors import unused_parameters_in, user_error_in_traceback
 
     lightning_says = RuntimeError("It looks like your LightningModule has parameters that were not used in producing the loss returned by training_step.")  # fmt: skip  # noqa: E501
     for flavour in ("ddp", "ddp_spawn", "ddp_fork"):
         error = unused_parameters_in(lightning_says, flavour)
         assert error is not None and f"trainer.strategy={flavour}_find_unused_parameters_true" in str(error)
-    text = f"Traceback (most recent call last):\nproject.errors.UserError: {unused_parameters_in(lightning_says)}"
+    text = f"Traceback (most recent call last):\nengine.errors.UserError: {unused_parameters_in(lightning_says)}"
     assert str(user_error_in_traceback(text)) == str(unused_parameters_in(lightning_says))
     assert unused_parameters_in(RuntimeError("another error")) is None
 
@@ -122,8 +122,8 @@ def test_a_mistake_in_a_spawned_worker_ends_the_run_as_the_same_error():
     message), to be said in one line; a bug, or an error raised while one was handled, keeps its traceback."""
     import traceback
 
-    from project.callbacks.checks import DivergedError
-    from project.errors import user_error_in_traceback
+    from engine.callbacks.checks import DivergedError
+    from engine.errors import user_error_in_traceback
 
     def text_of(raise_it) -> str:
         try:
@@ -142,7 +142,7 @@ def test_a_mistake_in_a_spawned_worker_ends_the_run_as_the_same_error():
             raise KeyError("a bug in the handler")  # noqa: B904  the chain is what is tested
 
     def bug() -> None:
-        raise RuntimeError("project.errors.UserError: quoted in a bug's message")
+        raise RuntimeError("engine.errors.UserError: quoted in a bug's message")
 
     error = user_error_in_traceback(text_of(diverged))
     assert type(error) is DivergedError

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import REPO, WARM, cli_env, run_dirs
 
-from project import build
-from project.errors import UserError
-from project.tasks import tune
-from project.tasks.seeding import seed_run
+from engine import build
+from engine.errors import UserError
+from engine.tasks import tune
+from engine.tasks.seeding import seed_run
 
 pytestmark = pytest.mark.slow
 

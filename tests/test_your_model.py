@@ -147,9 +147,8 @@ def test_a_net_outside_the_classifiers_contract_is_refused_at_start(make_cfg, ne
     train.py makes before anything else is built (a UserError there is one line, exit 2, no run dir: test_cli)."""
     from omegaconf import OmegaConf
 
-    from project import build
-    from project.errors import UserError
-    from project.models import contract
+    from engine import build, contract
+    from engine.errors import UserError
 
     cfg = make_cfg("model=tiny_cnn", f"model.net._target_=user_models.{net}", "~model.net.width")
     datamodule, model = build.datamodule(cfg.data), build.model(cfg.model)
@@ -177,8 +176,8 @@ def test_predict_runs_a_users_module_without_a_predict_step_on_its_images(cli, t
     # the module travels to ddp_spawn's workers as a pickle: the predict_step it was given goes with it
     import pickle
 
-    from project.runs.full_model import load_full_model
-    from project.tasks.prediction import _predict_on_images
+    from engine.runs.full_model import load_full_model
+    from engine.tasks.prediction import _predict_on_images
 
     model, _ = load_full_model(str(last), ["user_models"])
     _predict_on_images(model)
@@ -207,7 +206,7 @@ def test_a_net_with_a_layer_forward_does_not_use_is_refused_in_one_line_by_ddp_a
     Lightning's own DDP, without the template's (the rank watcher, the rendezvous, the CPU sync BatchNorm)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from project.strategies.ddp import DDPStrategy
+    from engine.strategies.ddp import DDPStrategy
 
     assert StrategyRegistry["ddp_find_unused_parameters_true"]["strategy"] is DDPStrategy
     net = ["model=tiny_cnn", "model.net._target_=user_models.UnusedHead", "~model.net.width"]

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from project.data.tensors import TensorDataModule, TensorDataset, normalize, split
-from project.errors import UserError
+from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
+from engine.errors import UserError
 
 # MNIST's own statistics, so a model trained here sees inputs scaled like full MNIST.
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081

@@ -22,11 +22,11 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
-from project.data.images import load_image, model_input
-from project.data.resumable import ResumableLoader, ResumableSampler
-from project.data.spec import InputSpec
-from project.data.tensors import TensorDataModule, split
-from project.errors import UserError
+from engine.data.images import load_image, model_input
+from engine.data.resumable import ResumableLoader, ResumableSampler
+from engine.data.spec import InputSpec
+from engine.data.tensors import TensorDataModule, split
+from engine.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
-from project.data.tensors import TensorDataModule, TensorDataset, normalize, split
-from project.errors import UserError
+from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
+from engine.errors import UserError
 
 # Per-dataset pixel mean and std of the training set.
 STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530), "KMNIST": (0.1918, 0.3483)}

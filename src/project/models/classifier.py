@@ -19,7 +19,7 @@ class ImageClassifier(L.LightningModule):
 
     `optimizer` and `scheduler` are factories (Hydra partials) so the config picks them; `monitor` is the metric
     a plateau scheduler watches (the run's monitor.metric). Hyperparameters are not saved here: every checkpoint
-    carries the plain run config instead (project.callbacks.run_config), loads with torch.load(weights_only=True)
+    carries the plain run config instead (engine.callbacks.run_config), loads with torch.load(weights_only=True)
     and rebuilds this module.
     """
 
@@ -48,7 +48,7 @@ class ImageClassifier(L.LightningModule):
         self.criterion = nn.CrossEntropyLoss()
         # One metric object per split: their states must not mix (val runs inside the train epoch). They keep only
         # the sums they report (project.models.metrics: about a third of torchmetrics' per-step cost). The mean
-        # does not look for NaN, a host sync per update: a non-finite loss stops the run (project.callbacks.checks).
+        # does not look for NaN, a host sync per update: a non-finite loss stops the run (engine.callbacks.checks).
         self.train_loss, self.val_loss, self.test_loss = Mean(), Mean(), Mean()
         self.train_acc, self.val_acc, self.test_acc = Accuracy(), Accuracy(), Accuracy()
         self.val_acc_best = MaxMetric()
@@ -58,7 +58,7 @@ class ImageClassifier(L.LightningModule):
         return self.net(x)
 
     def configure_model(self) -> None:
-        """Let the strategy spread the net over its devices (fsdp shards it: project.strategies.parallelize),
+        """Let the strategy spread the net over its devices (fsdp shards it: engine.strategies.parallelize),
         then compile it if asked. Lightning calls this for every fit/validate/test: both steps are idempotent.
         """
         parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None

@@ -5,7 +5,7 @@ weight for each value, and MulticlassAccuracy formats its inputs and computes fo
 and negatives) where accuracy needs only the correct count: together 50 µs a step, against 8.5 µs for these two,
 which keep only the sums they report and skip part of torchmetrics' bookkeeping around each update
 (benchmarks/per_call.py). They are torchmetrics Metrics all the same, so ddp syncs them, dp's replicas combine them
-(project.strategies.pieces), and Lightning logs, computes and resets them as it does torchmetrics' own. For more
+(engine.strategies.pieces), and Lightning logs, computes and resets them as it does torchmetrics' own. For more
 metrics (F1, per-class accuracy, ...), add torchmetrics' classes beside them; each costs its update on every step.
 """
 

@@ -1,0 +1,137 @@
+"""Weight averaging (`callbacks=[default,ema]`, `[default,swa]`) on Lightning's WeightAveraging, with three fixes.
+
+- After `fit`, `trainer.test(ckpt_path=...)` on the same Trainer tested the raw weights, not the average (Lightning
+  2.6's on_load_checkpoint reloads `current_model_state` in any stage): here a test loads the average a checkpoint
+  holds in `state_dict`.
+- Before the average's first update (SWA's start_epoch, EMA's update_starting_at_step) Lightning validates, saves
+  and ends with its copy of the initial weights: here the trained weights, until there is an average.
+- A strategy that does not keep the whole model in each process (fsdp, pipe, pipeline) is refused in one line;
+  torch's AveragedModel would zip mismatched tensors without a word.
+"""
+
+import logging
+from typing import Any
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
+
+from engine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def _whole_model_in_each_process(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from engine.strategies.dp import DataParallelStrategy
+    from engine.strategies.pipeline_checkpoints import OneCheckpointFile
+
+    if isinstance(strategy, OneCheckpointFile):  # the pipeline: each rank keeps only its stages
+        return False
+    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, DataParallelStrategy))
+
+
+class _Fixed(WeightAveraging):
+    """WeightAveraging, except: the average a checkpoint holds is what a test loads; a strategy that splits the
+    model is refused; and until the average's first update (EMA's update_starting_at_step, SWA's start_epoch)
+    validation, checkpoints and the model at the end use the trained weights, not the copy of the initial ones
+    Lightning would put in their place."""
+
+    name = "weight averaging"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and not _whole_model_in_each_process(trainer.strategy):
+            raise UserError(
+                f"callbacks.{self.name}: Lightning averages whole models, and {type(trainer.strategy).__name__} "
+                "splits this one; use one device or ddp, or drop it from callbacks"
+            )
+        super().setup(trainer, pl_module, stage)
+
+    def _updated(self) -> bool:
+        return self._average_model is not None and int(self._average_model.n_averaged) > 0
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._updated():  # no update comes between here and the epoch's end: the two swaps pair up
+            super().on_validation_epoch_start(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._updated():
+            super().on_validation_epoch_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._updated():
+            super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._updated():
+            super().on_train_end(trainer, pl_module)
+        else:
+            log.warning(
+                "callbacks.%s: training ended before the first update of the average; the model and its checkpoints "
+                "hold the trained weights, not an average",
+                self.name,
+            )
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # resuming a checkpoint saved with an average: the average and the raw weights, both. One saved before the
+        # first update (or without averaging) holds the weights alone: the average starts at its first update.
+        if trainer.state.fn == TrainerFn.FITTING and "averaging_state" in checkpoint:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        # test, validate, predict: `state_dict`, the average, is loaded already and stays
+
+
+class EMA(_Fixed, EMAWeightAveraging):
+    """Lightning's EMAWeightAveraging: an exponential moving average of the weights, updated every optimizer step.
+    Its options spelled out (Lightning's take **kwargs), so that a mistyped one is refused by name at start."""
+
+    name = "ema"
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        update_starting_at_epoch: int | None = None,
+        device: str | None = None,
+        use_buffers: bool = True,
+    ) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise UserError(f"callbacks.ema.decay={decay!r}: a number in [0, 1), the weight of the old average")
+        if update_every_n_steps < 1:
+            raise UserError(f"callbacks.ema.update_every_n_steps={update_every_n_steps!r}: at least 1")
+        super().__init__(
+            decay=decay,
+            update_every_n_steps=update_every_n_steps,
+            update_starting_at_step=update_starting_at_step,
+            update_starting_at_epoch=update_starting_at_epoch,
+            device=device,
+            use_buffers=use_buffers,
+        )
+
+
+class EpochAveraging(_Fixed):
+    """SWA: the equal-weight average (WeightAveraging's default) of the weights at each epoch end from `start_epoch`
+    on. Lightning's older StochasticWeightAveraging callback swaps in a learning-rate schedule of its own and puts
+    the average into the model only when training ends, so no checkpoint and no test of the best one sees it."""
+
+    name = "swa"
+
+    def __init__(self, start_epoch: int = 1, device: str | None = None, use_buffers: bool = True) -> None:
+        if start_epoch < 0:
+            raise UserError(f"callbacks.swa.start_epoch={start_epoch!r}: an epoch number from 0 on")
+        super().__init__(device=device, use_buffers=use_buffers)
+        self.start_epoch = start_epoch
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        return epoch_idx is not None and epoch_idx >= self.start_epoch
+
+
+def check_resume(ckpt_path: str, checkpoint: dict[str, Any], callbacks: list[Any]) -> None:
+    """A checkpoint saved with averaging holds the average as its weights: resumed without the callback, training
+    would go on from the average instead of the weights it left, silently."""
+    if "current_model_state" in checkpoint and not any(isinstance(c, WeightAveraging) for c in callbacks):
+        raise UserError(
+            f"ckpt_path={ckpt_path}: saved with weight averaging (its weights are the average); resume it with the "
+            "callbacks it ran with, e.g. 'callbacks=[default,ema]'"
+        )

@@ -1,0 +1,116 @@
+"""What every checkpoint of this project carries beyond Lightning's: the run's resolved config and every rank's
+random-number state (one callback: each callback costs every step a few microseconds of Lightning's hook calls).
+
+The config, under its own key, is what rebuilds the model and its data later (eval.py, predict.py, export.py),
+whatever the LightningModule keeps as its own hyperparameters; plain containers only, so every checkpoint loads
+with torch.load(weights_only=True).
+
+Lightning's checkpoints hold no random state, so a resumed run draws other dropout masks (and, without a
+seeded order, another shuffle) than the run it continues. Saved per rank (ranks draw different masks); put
+back in `on_train_start`, the last hook before the first batch: anything earlier in the restore could still
+consume random numbers after it.
+"""
+
+import random
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from engine.runs.checkpoints import CONFIG_KEY
+
+
+def _capture(device: torch.device) -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, words, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        # Python's 625 words as one tensor, not a tuple of ints: pickled one by one, they were a third of the
+        # objects torch.save visits in every checkpoint
+        "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
+        # numpy's own state holds an ndarray, which torch.load(weights_only=True) refuses: store it as a tensor
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, words, gauss = state["python"]
+    words = words.tolist() if isinstance(words, torch.Tensor) else words  # a tuple in checkpoints before 2026-11-25
+    random.setstate((version, tuple(words), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_rank(rank: int) -> None:
+    """Each rank its own random stream (dropout masks, augmentations) derived from the run's seed and the rank.
+    Lightning re-seeds every rank with the same seed, so they all drew the same masks. Rank 0 keeps the run's own
+    stream (a one-process run is unchanged); the data order has its own generator (one shared permutation); the
+    model is built and wrapped before this (fit start), so replicas and shards start from the same weights."""
+    import os
+
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    if rank == 0 or seed is None:  # unseeded: every process drew its own state from the OS already
+        return
+    derived = np.random.SeedSequence([int(seed), rank]).generate_state(2)
+    random.seed(int(derived[0]))
+    np.random.seed(int(derived[1]))
+    torch.manual_seed((int(derived[0]) << 32) | int(derived[1]))
+
+
+class RunState(L.Callback):
+    """Saves the run `config` (if given) and the torch, numpy, Python and CUDA random states of every rank;
+    restores each rank's own random state on resume."""
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self._loaded: list[dict[str, Any]] | None = None
+        self._trainer: L.Trainer | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.config is not None:
+            checkpoint[CONFIG_KEY] = self.config
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        mine = _capture(device)
+        if trainer is None or trainer.world_size == 1:
+            return {"ranks": [mine]}
+        gathered: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, mine)  # every rank saves: dump_checkpoint runs on all
+        return {"ranks": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict.get("ranks")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seed_rank(trainer.global_rank)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        states, self._loaded = self._loaded, None
+        if states is None:
+            return
+        if len(states) != trainer.world_size:
+            rank_zero_warn(
+                f"The checkpoint holds the random state of {len(states)} processes, this run has "
+                f"{trainer.world_size}: random draws continue from fresh states, not exactly as before."
+            )
+            return
+        _restore(states[trainer.global_rank], trainer.strategy.root_device)

@@ -1,0 +1,325 @@
+"""What every entry point does around its task: errors as one line, and no half-written output."""
+
+import contextlib
+import difflib
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from engine.errors import (
+    UserError,
+    disk_error_in,
+    exit_with,
+    missing_compile_backend_in,
+    run_log,
+    unused_parameters_in,
+    user_error_in,
+)
+from engine.launch import environment, sweeps
+from engine.launch.sweeps import record_failure
+from engine.runs.dirs import remove_if_unused
+
+# Set by the user to see full tracebacks; copied at the first start so launched ranks keep it.
+FULL_ERROR = "PROJECT_FULL_ERROR"
+# A config of conf/profile/ applied to every command (PROJECT_PROFILE=tiny: the test suite's small sizes).
+PROFILE = "PROJECT_PROFILE"
+
+
+def full_error() -> bool:
+    return os.environ.get(FULL_ERROR) == "1"
+
+
+def _one_line(text: str) -> str:
+    text = text.split("Config search path")[0]
+    return re.sub(r"\s*\n\s*", " ", text).strip()
+
+
+def _composition_error(e: CompactHydraException) -> str:
+    """Hydra's message plus OmegaConf's cause in one line, with a close key when a key was mistyped."""
+    if str(e).startswith("Could not override 'model'. No match in the defaults list"):  # eval, predict, export
+        return f"model=...: {Path(sys.argv[0]).name} takes the model from the checkpoint (ckpt_path), not model="
+    cause = e.__cause__
+    parent = getattr(cause, "parent_node", None)
+    key = getattr(cause, "key", None)
+    if isinstance(parent, DictConfig) and key is not None and "not in struct" in str(cause):
+        full_key = getattr(cause, "full_key", key)
+        close = difflib.get_close_matches(str(key), [str(k) for k in parent.keys()], n=1)
+        hint = (
+            f"did you mean {full_key[: -len(str(key))]}{close[0]}?"
+            if close
+            else f"valid keys: {', '.join(map(str, parent.keys()))}"
+        )
+        return f"{full_key}: no such key; {hint} (to add a new key on purpose: +{full_key}=...)"
+    message = _one_line(str(e))
+    if cause is not None:
+        message += " " + _one_line(str(cause).split("full_key:")[0])
+    return message
+
+
+def _group_given_a_value(error: BaseException) -> UserError | None:
+    """`precision=16`, `model=1`, `trainer=true`: Hydra reads a number or a boolean where a config group takes the
+    name of one of its options, and says so in a traceback that names neither the key nor the options."""
+    if not (isinstance(error, ValueError) and str(error).startswith("Config group override must be a string")):
+        return None
+    conf = Path(sys.argv[0]).resolve().parent / "conf"
+    for arg in sys.argv[1:]:
+        key, given, value = arg.lstrip("+~").partition("=")
+        number = r"[-+]?(\d[\d_]*(\.\d*)?|\.\d+)(e[-+]?\d+)?|[-+]?(inf|nan)"
+        not_a_name = re.fullmatch(rf"{number}|true|false|null", value, flags=re.IGNORECASE)
+        if given and not_a_name and (conf / key).is_dir():
+            options = ", ".join(sorted(p.stem for p in (conf / key).glob("*.yaml")))
+            return UserError(f"{key}={value}: {key} is a config group, which takes the name of an option: {options}")
+    return None
+
+
+def _sbatch_refused(error: BaseException) -> UserError | None:
+    """hydra/launcher=slurm asked for what the cluster cannot give (mem_gb: 64 on a smaller node): submitit raises
+    sbatch's refusal in a traceback."""
+    text = str(error)
+    if type(error).__name__ != "FailedJobError" or "sbatch: error" not in text:
+        return None
+    said = next(line for line in text.splitlines() if "sbatch: error" in line).split("sbatch: error:", 1)[-1]
+    return UserError(
+        f"hydra/launcher=slurm: sbatch refused the job ({said.strip()}); ask for what the cluster has: "
+        "hydra.launcher.mem_gb, cpus_per_task, gpus_per_node, partition, timeout_min"
+    )
+
+
+def _with_profile(argv: list[str]) -> list[str]:
+    """$PROJECT_PROFILE=<name> adds `profile=<name>` (conf/profile/): the documented way to shrink every command,
+    for tests. Ranks and sweep jobs that a run starts inherit both the variable and the override."""
+    profile = os.environ.get(PROFILE)
+    if not profile or any(arg.startswith("profile=") for arg in argv[1:]):
+        return argv
+    # beside the other overrides: argparse takes Hydra's overrides as one run of positional arguments
+    first = next((i for i, arg in enumerate(argv[1:], 1) if "=" in arg and not arg.startswith("-")), len(argv))
+    return [*argv[:first], f"profile={profile}", *argv[first:]]
+
+
+def cli(hydra_main: Callable[[], Any]) -> None:
+    """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
+    os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
+    sys.argv = _with_profile(sys.argv)
+    ignore_known_warnings()
+    sweeps.remember_entry_script()
+    try:
+        try:
+            hydra_main()
+        except Exception as e:
+            user_error = user_error_in(e) or _group_given_a_value(e) or _sbatch_refused(e)
+            if full_error() or (user_error is None and not isinstance(e, CompactHydraException)):
+                raise
+            _remove_unused_sweep_dir()
+            exit_with(user_error or UserError(_composition_error(e)))  # type: ignore[arg-type]
+    except SystemExit as e:
+        if e.code in STOPPED_BY_A_SIGNAL:
+            _summary_of_a_stopped_sweep()
+        _leave(e.code)
+    except KeyboardInterrupt:  # outside a run (between a sweep's jobs, before one starts): nothing of a run to save
+        from engine.errors import say
+
+        say("stopped by SIGINT")
+        _summary_of_a_stopped_sweep()
+        _leave(130)
+    _leave(0)
+
+
+STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: how a run that a signal stopped exits
+
+
+def _summary_of_a_stopped_sweep() -> None:
+    """A sweep that a signal stopped ends without Hydra's end-of-sweep callbacks: its summary (the finished jobs, the
+    one stopped, those not started) is written here, as at its end."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    sweep_dir = Path(HydraConfig.get().sweep.dir)
+    if not sweep_dir.is_dir() or not any((p / ".hydra").is_dir() for p in sweep_dir.iterdir()):
+        return
+    from engine.errors import say
+    from engine.runs.summary import write_summary
+
+    try:
+        jobs = write_summary(sweep_dir)
+    except Exception as e:  # the summary is a report: the stop's own line and exit code stand
+        say(f"error: sweep summary of {sweep_dir} failed: {type(e).__name__}: {e}")
+        return
+    left = sum(job.status == "not started" for job in jobs)
+    say(f"sweep stopped, {left} of {len(jobs)} jobs not started; summary: {sweep_dir / 'summary.md'}")
+
+
+def ignore_known_warnings() -> None:
+    """In the process that parsed the command line, in a parallel sweep's workers (which start at `run`), in
+    ddp_spawn's workers (engine.strategies.ddp) and wherever a Trainer is built (engine.build)."""
+    # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
+    # start this run with it; runs under SLURM start with srun (README, SLURM), and this one was meant to run here
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+    # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # said in our words, with the fix, by engine.contract (it stops the run)
+    warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
+    # a resumed run writes into its own new directory, by design: not a problem to report
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+
+def _remove_unused_sweep_dir() -> None:
+    """A sweep refused before any job ran (a search-space or storage error) leaves no sweep directory."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        remove_if_unused(Path(HydraConfig.get().sweep.dir))
+
+
+def _leave(code: Any) -> None:
+    """End the process as the interpreter would, without its last step: threads joined (threading's exit hooks
+    first, which stop joblib's workers), atexit handlers run (log files, temporary directories, child processes),
+    streams flushed; then exit. The step left out tears down every module torch and Lightning loaded, about 1.3 s
+    at the end of every run and of every rank's process (benchmarks/startup.py), and nothing here needs it."""
+    import atexit
+    import threading
+
+    if sys.getprofile() is not None:  # `python -m cProfile` writes its stats after the script returns
+        raise SystemExit(code)
+    status = code if isinstance(code, int) else 0 if code is None else 1
+    if not isinstance(code, (int, type(None))):
+        print(code, file=sys.stderr)
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # CPython's own first step at exit
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
+def _no_service_tips(record: logging.LogRecord) -> bool:
+    """Lightning 2.6 logs, in every run, tips to install its cloud services' packages (litlogger, litmodels): noise
+    in every run's console and log, and on a cluster's compute node without internet, advice that cannot apply."""
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def one_console_output() -> None:
+    """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
+    prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
+    `error:` lines belong. A rank that rank 0 started prints nothing: its lines are in its own log."""
+    import lightning.pytorch  # noqa: F401  adds its handlers on import: remove them after, not before
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_service_tips)  # added once
+    if environment.watched_rank():  # rank 0 alone on the console (as ddp_spawn's workers): this rank in its own log
+        for handler in list(logging.getLogger().handlers):
+            if type(handler) is logging.StreamHandler:
+                logging.getLogger().removeHandler(handler)
+    if logging.getLogger().handlers:
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if type(handler) is logging.StreamHandler:
+                    logger.removeHandler(handler)
+                    logger.propagate = True  # Lightning stopped it when it added its own: the root's handlers print
+
+
+def _error_line(error: BaseException) -> str:
+    if isinstance(error, UserError):
+        return str(error)
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _config_error(error: BaseException) -> bool:
+    """Lightning says a setting cannot work (MisconfigurationException): a user's mistake, not a bug."""
+    return isinstance(error, UserError) or type(error).__name__ == "MisconfigurationException"
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_connection(error: BaseException) -> bool:
+    """A collective that failed because another rank ended (died, or stopped on an error of its own)."""
+    return any(text in str(error) for text in _PEER_GONE)
+
+
+def _lost_rank(error: BaseException) -> str | None:
+    """A collective that failed because another rank died: say so once, in one line, instead of a traceback."""
+    if not lost_connection(error):
+        return None
+    from engine.launch import ranks  # imports Lightning: only once a collective has failed
+
+    reason = " ".join(str(error).split())[:160]
+    dead = None if environment.watched_rank() else ranks.dead_rank()  # rank 0's watcher may know which one died
+    line = dead or f"lost the connection to another rank ({reason}); see that rank's log"
+    ranks.report_once(line)
+    return line
+
+
+def _task(name: str) -> Callable[[DictConfig], Any]:
+    """`module:function`, imported only now: torch and Lightning load once the config has passed its checks."""
+    import importlib
+
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+@contextlib.contextmanager
+def _signal_handlers_put_back() -> Iterator[None]:
+    """The signal handlers as they were before the task: a run's own (engine.callbacks.checks: record, act at the
+    next agreement) outlive its trainer, which puts back the ones it found, theirs. The next job of a sequential
+    sweep, or the sweep after its last job, would have Ctrl-C recorded for a run that is over, and ignored."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+    signals = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
+    before = {signum: signal.getsignal(signum) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            if handler is not None:  # None: set outside Python, cannot be put back from here
+                signal.signal(signum, handler)
+
+
+def run(task: str, cfg: DictConfig) -> Any:
+    """Call the task (`module:function`) on `cfg`. A mistake leaves no run dir behind and becomes one
+    `error: ...` line on stderr with exit code 2; config mistakes are found before torch is even imported. In a
+    sweep, any failure fails this job only: one line on stderr, the traceback in the job's error.txt, and the
+    sweep goes on (engine.launch.sweeps.SweepReport exits non-zero at its end)."""
+    from engine.config.schema import check_config
+
+    ignore_known_warnings()
+    hc = HydraConfig.get()
+    with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
+        try:
+            check_config(cfg)
+            function = _task(task)
+            one_console_output()
+            return function(cfg)
+        except Exception as e:
+            if full_error():
+                raise
+            e = missing_compile_backend_in(e) or unused_parameters_in(e) or e
+            if hc.mode == RunMode.MULTIRUN:
+                record_failure(Path(hc.runtime.output_dir), _error_line(e))
+                return None
+            lost = _lost_rank(e)
+            if lost is not None:  # the one line about the dead rank is said
+                # in a rank that rank 0 watches, into its own log: rank 0 says how the run ended, and this rank's
+                # exit 1 could reach rank 0's watcher as a death before rank 0 had said it
+                raise SystemExit(0 if environment.watched_rank() else 1) from None
+            disk = disk_error_in(e)
+            if disk is not None:
+                exit_with(disk)  # what was written before stays
+            if not _config_error(e):
+                raise  # a bug: its traceback is the useful report
+            remove_if_unused(Path(hc.runtime.output_dir))
+            exit_with(e if isinstance(e, UserError) else UserError(_error_line(e)))

@@ -1,0 +1,190 @@
+"""Typed top level of train.yaml, eval.yaml, predict.yaml and export.yaml: Hydra rejects unknown keys and
+wrong types at compose time.
+
+The groups (data, model, trainer, ...) are typed by their `_target_`; engine.build checks their keys and
+values against the target's signature before anything is built. What a type cannot say (a seed's range,
+a required key left out) is checked by `check_config`, first thing in every task.
+"""
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from engine.errors import UserError
+
+# What a missing mandatory key means to a user.
+_REQUIRED_HINTS = {
+    "ckpt_path": "pass the checkpoint to use: ckpt_path=<run>/checkpoints/last.ckpt",
+    "input": "pass what to predict: input=<folder of images | image | IDX file>",
+}
+SEED_RANGE = (0, 2**32 - 1)  # what numpy, and so Lightning's seed_everything, accepts
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = MISSING
+    data_dir: str = MISSING
+    log_dir: str = MISSING
+    output_dir: str = MISSING
+
+
+@dataclass
+class LaunchConfig:
+    """How processes are started and meet: settings of this project, not of Lightning's Trainer."""
+
+    allow_oversubscribe: bool = False  # more CPU processes than cores: refused unless true
+    rendezvous_timeout_s: int = 300  # how long ranks wait for each other (other nodes) before giving up
+
+
+@dataclass
+class ChecksConfig:
+    """How often the ranks agree whether the run diverged or was signalled (engine.callbacks.checks): the one
+    collective and host sync of those checks; a stop comes at most this many steps after its cause, and always
+    before a checkpoint is written."""
+
+    every_n_steps: int = 20
+
+
+@dataclass
+class MonitorConfig:
+    """The metric that judges a run: best checkpoint, early stopping, sweeps, Optuna, the plateau scheduler."""
+
+    metric: str = "val/acc"  # logged by the module in validation
+    mode: str = "max"  # max: higher is better; min: lower is better
+
+
+MONITOR_MODES = ("max", "min")
+
+
+@dataclass
+class RunConfig:
+    """What every entry point's config has."""
+
+    task_name: str = MISSING
+    seed: Optional[int] = None
+    trainer: Any = MISSING
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    float32_matmul_precision: str = "high"
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    # packages of yours whose classes a checkpoint may name, besides this project's, torch.nn, torch.optim and
+    # torchvision.models (engine.runs.checkpoints): a checkpoint may come from someone else
+    trusted_packages: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TuneConfig:
+    """`tune=lr|batch_size`: Lightning's finders before training (engine.tasks.tune)."""
+
+    mode: str = MISSING  # lr | batch_size
+    apply: bool = False  # train with the value found (else stop after tuning and say the override)
+    key: Optional[str] = None  # the config key of the value; None: model.optimizer.lr, model.lr, ... / data.batch_size
+    min_lr: float = 1e-6
+    max_lr: float = 1.0
+    num_training: int = 100  # steps of the learning-rate sweep
+    init_val: int = 2  # the batch size the batch-size finder starts from, doubled each trial
+    max_trials: int = 6
+    max_val: int = 8192  # the largest batch size the batch-size finder tries
+    steps_per_trial: int = 3
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    task_name: str = "train"
+    train: bool = True
+    test: bool = True
+    ckpt_path: Optional[str] = None
+    stretch_schedule: bool = False
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    optimized_metric: Optional[str] = None  # None: the best value of monitor.metric
+    data: Any = MISSING
+    model: Any = MISSING
+    callbacks: Any = field(default_factory=dict)
+    logger: Any = field(default_factory=dict)
+    tune: Optional[TuneConfig] = None
+
+
+@dataclass
+class EvalConfig(RunConfig):
+    task_name: str = "eval"
+    ckpt_path: str = MISSING
+    data: Any = None  # None: the data config stored in the checkpoint
+    logger: Any = field(default_factory=dict)
+    callbacks: Any = field(default_factory=dict)
+
+
+@dataclass
+class PredictConfig(RunConfig):
+    task_name: str = "predict"
+    ckpt_path: str = MISSING
+    input: str = MISSING  # a folder of images, one image, or an IDX file
+    resize: bool = True  # images of another size: resized to the model's (false: refused)
+    batch_size: int = 256
+    num_workers: int = 0
+
+
+@dataclass
+class ExportConfig(RunConfig):
+    task_name: str = "export"
+    ckpt_path: str = MISSING
+    format: str = "onnx"  # onnx | torch_export
+    output: Optional[str] = None  # None: beside the checkpoint, <checkpoint name>.onnx or .pt2
+    overwrite: bool = False  # replace an existing `output` file (otherwise refused)
+    check: bool = True  # compare the exported model's outputs with PyTorch's before finishing
+    trainer: Any = None  # not used: export runs no Trainer; here so that profiles (which size it) apply too
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="predict_schema", node=PredictConfig)
+    cs.store(name="export_schema", node=ExportConfig)
+
+
+def check_keys(cfg: DictConfig, where: str = "") -> None:
+    """Reject keys a typed node does not declare.
+
+    Hydra's `+key=value` adds them past the schema, yet no code would read them."""
+    schema = OmegaConf.get_type(cfg)
+    if not is_dataclass(schema):
+        return
+    declared = {f.name for f in fields(schema)}
+    for key in map(str, cfg):
+        path = f"{where}{key}"
+        if key not in declared:
+            raise UserError(f"{path}: not a known key here; known keys: {', '.join(sorted(declared))}")
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig):
+            check_keys(child, f"{path}.")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything about the run config that needs no import of torch or Lightning, before any work."""
+    check_keys(cfg)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        key = missing[0]
+        raise UserError(f"{key}: required; {_REQUIRED_HINTS.get(key, f'set it: {key}=...')}")
+    seed = cfg.get("seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        low, high = SEED_RANGE
+        raise UserError(f"seed={seed}: a seed is an integer from {low} to {high} (or null: unseeded)")
+    if cfg.float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise UserError(
+            f"float32_matmul_precision={cfg.float32_matmul_precision}: one of {', '.join(MATMUL_PRECISIONS)}"
+        )
+    checks = cfg.get("checks")
+    if checks is not None and checks.every_n_steps < 1:
+        raise UserError(f"checks.every_n_steps={checks.every_n_steps}: must be at least 1")
+    monitor = cfg.get("monitor")
+    if monitor is not None and monitor.mode not in MONITOR_MODES:
+        raise UserError(f"monitor.mode={monitor.mode}: max (higher is better) or min (lower is better)")
+    for package in cfg.get("trusted_packages") or []:
+        if not all(part.isidentifier() for part in str(package).split(".")):
+            raise UserError(f"trusted_packages: {package!r} is not a package name (letters, digits, _ and dots)")
+    if cfg.launch.rendezvous_timeout_s <= 0:
+        raise UserError(f"launch.rendezvous_timeout_s={cfg.launch.rendezvous_timeout_s}: must be a positive number")

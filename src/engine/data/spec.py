@@ -1,0 +1,99 @@
+"""What a model trained on some data expects as input, read from the data config a checkpoint stores.
+
+predict.py converts images to it and export.py embeds its normalization, so both need it without the data
+itself (an image folder on another machine, MNIST not downloaded here): only the config is read.
+"""
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import UserError
+from engine.runs import checkpoints
+
+MAX_SIDE = 8192
+MAX_PIXELS = MAX_SIDE * MAX_SIDE  # the largest image a model here takes (a 256 MB uint8 RGB image)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Images of `channels` x `height` x `width`, pixels scaled to [0, 1], then standardized per channel."""
+
+    channels: int
+    height: int
+    width: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels={self.channels}: images are grey (1) or RGB (3)")
+        if min(self.height, self.width) < 1:
+            raise ValueError(f"image size {self.height}x{self.width}: must be at least 1x1")
+        if self.height * self.width > MAX_PIXELS:  # a config (or a checkpoint's) cannot make predict allocate GBs
+            raise ValueError(f"image size {self.height}x{self.width}: larger than {MAX_SIDE}x{MAX_SIDE} pixels")
+        for name, values in (("mean", self.mean), ("std", self.std)):
+            if len(values) != self.channels:
+                raise ValueError(f"{name}={list(values)}: one value per channel ({self.channels})")
+        if min(self.std) <= 0:
+            raise ValueError(f"std={list(self.std)}: must be positive")
+
+
+def _mnist_shaped(mean: float, std: float, channels: int = 1) -> InputSpec:
+    return InputSpec(channels=channels, height=28, width=28, mean=(mean,) * channels, std=(std,) * channels)
+
+
+def of_module(module: Any) -> InputSpec | None:
+    """What a LightningModule says it takes, if it says so: an `input_spec` attribute or method (README, Add your
+    model); it comes before the data's."""
+    spec = getattr(module, "input_spec", None)
+    spec = spec() if callable(spec) else spec
+    if spec is not None and not isinstance(spec, InputSpec):
+        raise UserError(f"{type(module).__name__}.input_spec: must be a engine.data.spec.InputSpec, got {spec!r}")
+    return spec
+
+
+def _builtin(target: str, data: dict[str, Any]) -> InputSpec | None:
+    """The template's own in-memory data sets; their modules are not asked (they predate this)."""
+    if target == "project.data.digits.DigitsDataModule":
+        from project.data.digits import MNIST_MEAN, MNIST_STD
+
+        channels = data.get("channels", 1)
+        if channels not in (1, 3):
+            raise UserError(f"data.channels={channels!r}: the digits are grey (1) or grey in three channels (3)")
+        return _mnist_shaped(MNIST_MEAN, MNIST_STD, channels)
+    if target == "project.data.mnist.MNISTDataModule":
+        from project.data.mnist import STATS
+
+        dataset = data.get("dataset", "MNIST")
+        if dataset not in STATS:
+            raise UserError(f"data.dataset={dataset!r}: not an MNIST-format data set this project knows")
+        return _mnist_shaped(*STATS[dataset])
+    return None
+
+
+def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> InputSpec:
+    """The input of a model trained on the data module `data` (a plain config dict, as a checkpoint holds).
+
+    Other data modules say it themselves with a classmethod `input_spec(config: dict) -> InputSpec`."""
+    if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
+        raise UserError(f"{where}: holds no data config, so the model's input size and normalization are unknown")
+    checkpoints.check_buildable(data, where, kind="data", trusted=trusted)  # imports nothing outside those
+    target = data["_target_"]
+    found = _builtin(target, data)
+    if found is not None:
+        return found
+    import hydra
+
+    cls = hydra.utils.get_class(target)
+    method = getattr(cls, "input_spec", None)
+    if not inspect.ismethod(method):
+        raise UserError(
+            f"{where}._target_={target}: does not say what its images look like; give it a classmethod "
+            "`input_spec(config) -> engine.data.spec.InputSpec` (README: Add your data set)"
+        )
+    try:
+        return method(data)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{where}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,50 @@
+"""Logging in the processes ddp_spawn starts: a spawned process begins with none configured, so what its ranks log
+(Lightning's set-up, the template's lines, the line that says how a run stopped) went nowhere, and the run's log
+ended where the workers began. A worker now logs where the process that started it does: rank 0 into the run's log
+and to the console, rank r into `<task>_ddp_process_<r>.log` beside it, as ddp's ranks do."""
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+Described = tuple[
+    int, list[tuple[str | None, str | None, int]]
+]  # the root's level, and (file or stream, format, level)
+
+
+def describe() -> Described:
+    """This process's root log handlers, in a form a spawned process can be given (a file, or stdout/stderr)."""
+    root = logging.getLogger()
+    handlers: list[tuple[str | None, str | None, int]] = []
+    for handler in root.handlers:
+        fmt = handler.formatter._fmt if handler.formatter is not None else None
+        if isinstance(handler, logging.FileHandler):
+            handlers.append((handler.baseFilename, fmt, handler.level))
+        elif isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
+            handlers.append(("<stderr>" if handler.stream is sys.stderr else "<stdout>", fmt, handler.level))
+    return root.level, handlers
+
+
+def recreate(described: Described, rank: int) -> None:
+    """In a spawned worker: the handlers `describe` found, for this rank (the console for rank 0 alone)."""
+    from engine.cli import one_console_output
+
+    level, handlers = described
+    root = logging.getLogger()
+    root.setLevel(level)
+    for where, fmt, handler_level in handlers:
+        handler: Any
+        if where in ("<stdout>", "<stderr>"):
+            if rank:
+                continue
+            handler = logging.StreamHandler(sys.stderr if where == "<stderr>" else sys.stdout)
+        else:
+            path = Path(str(where))
+            if rank:
+                path = path.with_name(f"{path.stem}_ddp_process_{rank}{path.suffix}")
+            handler = logging.FileHandler(path, mode="a")
+        handler.setFormatter(logging.Formatter(fmt))
+        handler.setLevel(handler_level)
+        root.addHandler(handler)
+    one_console_output()  # Lightning's own console handlers, which it added on import, leave the printing to these

@@ -1,0 +1,264 @@
+"""TensorBoard with an HParams tab a person can read: the settings people vary, and the real final metrics.
+
+Lightning's logger lists every key of the run config (76 here, paths and callback settings first) and writes
+`hp_metric = -1` whenever the hyper-parameters are logged again (by `trainer.test`), which is the value
+TensorBoard then shows. Here the HParams summary is written once per run: the config groups chosen
+(`model=mlp`), a short list of values (learning rate, batch size, seed, devices, ...) and whatever the command
+line overrode; its metrics are declared by name, and TensorBoard reads their values from the run's own scalars.
+"""
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+GROUPS = ("data", "model", "trainer", "precision", "experiment")
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _scalar(value: Any) -> int | float | str | bool:
+    """HParams holds numbers, strings and booleans; anything else is shown as its text."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _run_choices() -> tuple[dict[str, str], list[str]]:
+    """The config groups Hydra chose for this run, and the keys its command line set."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}, []
+    hc = HydraConfig.get()
+    choices = {group: str(hc.runtime.choices[group]) for group in GROUPS if hc.runtime.choices.get(group)}
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in hc.overrides.task if "=" in o]
+    return choices, [k for k in keys if "/" not in k and k not in GROUPS and k != "profile"]
+
+
+def sweep_job_name() -> str:
+    """In a sweep, what this job changes (`model=mlp,seed=1`), so that TensorBoard's run list says which run is
+    which; a single run keeps its directory's name (its start time) alone."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("profile=", "hydra.", "++hydra."))]
+    name = ",".join(o.lstrip("+~").replace("/", "-") for o in overrides)
+    return name[:120] or f"job{HydraConfig.get().job.num}"
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TensorBoard's record checksum (masked CRC-32C), computed in C by google-crc32c."""
+    import google_crc32c
+
+    crc = google_crc32c.value(bytes(data))
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def use_fast_checksums() -> None:
+    """TensorBoard without TensorFlow checksums every event record with a pure-Python CRC-32C: about 7 ms for the
+    60 KB sample grid, in the writer's thread but holding the GIL, so the training thread waited about 11 ms an
+    epoch for the two images (benchmarks/figures.py). The same values in C take microseconds. Readers (TensorBoard
+    itself) still check every record with their own implementation. Where google-crc32c has no C build for the
+    platform, TensorBoard's own function is kept (the same values, slower)."""
+    import google_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    if google_crc32c.implementation == "c":
+        record_writer.masked_crc32c = masked_crc32c
+
+
+def leave_writer_disk_errors_to_the_run() -> None:
+    """A write that a full or read-only disk stops in TensorBoard's event-writer thread is kept by the writer and
+    raised again at the training thread's next write, where the run ends with one line naming the file
+    (engine.errors.disk_error_in); the thread's own traceback, printed first, is left out. Other errors, and
+    other threads', are printed as before."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    from engine.errors import disk_error_in
+
+    previous = threading.excepthook
+    if getattr(previous, "leaves_writer_disk_errors", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and args.exc_value and disk_error_in(args.exc_value)):
+            previous(args)
+
+    hook.leaves_writer_disk_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
+class TensorBoardLogger(LightningTensorBoardLogger):
+    """`hparams`: dotted keys of the run config shown in the HParams tab; `metrics`: the metrics beside them."""
+
+    def __init__(
+        self,
+        save_dir: str,
+        name: str = "",
+        version: str | None = None,
+        hparams: Sequence[str] = (),
+        metrics: Sequence[str] = (),
+        log_graph: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        flush_secs = kwargs.get("flush_secs", 120)  # SummaryWriter's default
+        if isinstance(flush_secs, bool) or not (isinstance(flush_secs, (int, float)) and 0.1 <= flush_secs <= 1e7):
+            raise ValueError(
+                "flush_secs must be a number of seconds from 0.1 to 1e7 (below, TensorBoard's event writer thread "
+                f"spins; above, its wait overflows), got {flush_secs!r}"
+            )
+        version = sweep_job_name() if version is None else version
+        use_fast_checksums()
+        leave_writer_disk_errors_to_the_run()
+        super().__init__(save_dir, name=name, version=version, log_graph=log_graph, default_hp_metric=False, **kwargs)
+        self.hparam_keys, self.metric_names = list(hparams), list(metrics)
+        self._summary_written = False
+        self._hparams_file_written = False
+        self._flush_secs = float(flush_secs)
+        self._held: list[tuple[Any, int | None, float]] = []  # log_metrics' events not yet handed over
+        self._held_since: float | None = None
+        self._saved_at: int | None = None  # the step of the newest checkpoint: events up to it are not held
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_held"], state["_held_since"] = [], None  # they stay with this process's logger, which writes them
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A ddp_spawn worker rebuilds the logger from a pickle, not __init__. Lightning does not finalize the loggers
+        # when a fit fails there: nothing is held back in it (each call is written as it comes, the slower way).
+        self.__dict__.update(state)
+        self._flush_secs = 0.0
+        use_fast_checksums()
+        leave_writer_disk_errors_to_the_run()
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, metrics: Any = None, step: int | None = None) -> None:
+        super().log_hyperparams(params, metrics, step)  # hparams.yaml keeps the whole config
+        if self._summary_written or not isinstance(params, Mapping):
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        choices, overridden = _run_choices()
+        shown: dict[str, Any] = dict(choices)
+        for key in [*self.hparam_keys, *overridden]:
+            value = _lookup(params, key)
+            if value is not None and key not in shown:
+                shown[key] = _scalar(value)
+        summaries = hparams(shown, {name: 0.0 for name in self.metric_names})
+        writer = self.experiment._get_file_writer()
+        for summary in summaries:
+            writer.add_summary(summary)
+        self._summary_written = True
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Lightning's, with every scalar of a call in one event: Lightning writes an event per scalar (a summary,
+        an event, its serialization and a record each), about twice the time of one event a call for an epoch's
+        four validation scalars (benchmarks/per_call.py); a classifier's epoch logs about twenty. The event is held
+        (`_hold`). TensorBoard reads the same tags, steps and values. A dict is still a run of its own per key
+        (`add_scalars`, after the call's scalars), and a call with a scalar that is not a number writes nothing."""
+        from lightning.fabric.utilities.logger import _add_prefix
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch import Tensor
+        from torch.utils.tensorboard.summary import scalar
+
+        summary = Summary()
+        groups: dict[str, Any] = {}  # the dicts, each a run of its own per key
+        for key, value in _add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR).items():
+            if isinstance(value, Tensor):
+                value = value.item()
+            if isinstance(value, dict):
+                groups[key] = value
+                continue
+            try:
+                summary.value.extend(scalar(key, value).value)
+            except Exception as e:
+                raise ValueError(
+                    f"\n you tried to log {value} which is currently not supported. Try a dict or a scalar/tensor."
+                ) from e
+        if summary.value:
+            self._hold(summary, step)
+        for key, values in groups.items():
+            self.experiment.add_scalars(key, values, step)
+
+    def _hold(self, summary: Any, step: int | None) -> None:
+        """A call's event, kept until the first call `flush_secs` after the oldest one kept (or a checkpoint, or
+        the end): each event handed to TensorBoard's writer thread wakes it, and the training thread then waits
+        for the GIL while it writes (benchmarks/per_call.py: a call of four scalars holds the training thread 19 µs
+        held, 54 µs handed over at once)."""
+        now = time.monotonic()
+        self._held.append((summary, step, time.time()))
+        if self._held_since is None:
+            self._held_since = now
+        # An epoch's own metrics logged after its checkpoint (Lightning logs train/ epoch metrics after the epoch's
+        # saves) go at once: a resume from that checkpoint would not log them again.
+        saved = self._saved_at is not None and step is not None and step <= self._saved_at
+        if saved or now - self._held_since >= self._flush_secs:
+            self._write_held()
+
+    def _write_held(self) -> None:
+        held, self._held, self._held_since = self._held, [], None
+        if held:
+            writer = self.experiment._get_file_writer()
+            for summary, step, wall_time in held:
+                writer.add_summary(summary, step, wall_time)
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Lightning calls this after every `log_metrics` (every `log_every_n_steps` and at each epoch's end): it
+        waited for the event writer's queue to drain and looked for hparams.yaml on disk each time, 5-8 ms an epoch
+        on the MLP of benchmarks/step_loop.py. Here hparams.yaml is written once, as Lightning would (only when
+        missing). The scalars reach the writer's thread in batches (`_hold`): after every checkpoint, whose save
+        also drains its queue (a run killed after one has its scalars up to it), at the first call `flush_secs`
+        after the oldest one held, and at the end of each stage, also a failed one."""
+        if not self._hparams_file_written:
+            super().save()
+            self._hparams_file_written = self._fs.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE))
+
+    @rank_zero_only
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        super().after_save_checkpoint(checkpoint_callback)
+        self._saved_at = getattr(checkpoint_callback, "_last_global_step_saved", None)
+        self._write_held()
+        if self._experiment is not None:
+            self._experiment.flush()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        try:
+            self._write_held()  # before Lightning's flush and close, also when the run failed
+            super().finalize(status)
+        except OSError:  # the writer thread's disk error, raised again at every write and flush
+            if status != "failed":
+                raise
+            self._close_unflushed()  # a failed run's own error is the one to report
+
+    def _close_unflushed(self) -> None:
+        """The event files closed without the flush that raises the writer thread's error again (that thread has
+        ended on it), so that the next stage (test after fit) opens new ones."""
+        experiment: Any = self._experiment
+        if experiment is None:
+            return
+        writers: dict[str, Any] = experiment.all_writers or {}
+        for writer in writers.values():
+            try:
+                writer.close()
+            except OSError:
+                pass
+        experiment.file_writer = experiment.all_writers = None

@@ -1,0 +1,116 @@
+"""What the experiment trackers (MLflow, W&B) share: the tracker run's ids kept in the run dir, so that a resumed
+run continues it; its name; the config groups chosen; the sweep it belongs to; the package it needs.
+
+`<run>/trackers.json` holds `{"mlflow": {"run_id": ..., ...}, "wandb": {"id": ..., ...}}`. A run resumed with
+`ckpt_path=<run>/checkpoints/last.ckpt` gets a new run dir but reads the ids of `<run>`; a requeued job (SLURM,
+submitit, torchelastic) runs again in its own dir and reads its own. A sweep dir holds the sweep's parent run the
+same way. Imports nothing heavy: the config check imports the loggers' modules.
+"""
+
+import contextlib
+import fcntl
+import importlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+
+FILE = "trackers.json"
+INSTALL = 'pip install -e ".[trackers]"'
+
+
+def require(module: str, logger: str) -> None:
+    """`logger=<logger>` without its package: one line naming the install, not Lightning's ModuleNotFoundError."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(f"logger={logger} needs the {module} package ({e}); install it with: {INSTALL}") from e
+
+
+def one_line(error: BaseException) -> str:
+    """A tracker library's error (often several lines, a server's whole reply) as the tail of a UserError."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def sweep_dir() -> str | None:
+    """The sweep dir of a sweep job; None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from engine.launch.sweeps import is_multirun
+
+    return str(HydraConfig.get().sweep.dir) if is_multirun() else None
+
+
+def run_name(run_dir: str) -> str:
+    """A sweep job by what it changes (`model=mlp,seed=1`, as in TensorBoard), a single run by its dir's name
+    (its start time)."""
+    from engine.loggers.tensorboard import sweep_job_name
+
+    return sweep_job_name() or Path(run_dir).name
+
+
+def chosen_groups() -> dict[str, str]:
+    """The config groups Hydra chose for this run (`model: lenet`, `model/optimizer: adam`), Hydra's own aside."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    choices = HydraConfig.get().runtime.choices
+    return {
+        str(group): str(choice)
+        for group, choice in choices.items()
+        if choice is not None and not str(group).startswith("hydra") and "@" not in str(group)
+    }
+
+
+def recall(directory: str | Path, tracker: str) -> dict[str, Any] | None:
+    """The ids `tracker` left in `directory`, or None."""
+    path = Path(directory) / FILE
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text()).get(tracker)
+    except (ValueError, AttributeError) as e:
+        raise UserError(f"{path}: not the JSON this project writes ({e}); remove it to start a new tracker run") from e
+    return found if isinstance(found, dict) else None
+
+
+def remember(directory: str | Path, tracker: str, ids: dict[str, Any]) -> None:
+    """Add `tracker`'s ids to `directory`'s file, atomically (a kill leaves the old file or the new one)."""
+    path = Path(directory) / FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    current = json.loads(path.read_text()) if path.is_file() else {}  # one writer: rank 0, or the sweep's locker
+    current[tracker] = ids
+    partial = path.with_name(f".{FILE}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(current, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def run_dir_of(ckpt_path: str) -> Path:
+    """The run dir a checkpoint belongs to: `<run>/checkpoints/last.ckpt` and `<run>/hpc_ckpt_1.ckpt` -> `<run>`."""
+    path = Path(ckpt_path).expanduser().resolve()
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
+def continued(tracker: str, run_dir: str, resume_from: str | None, resume: bool) -> dict[str, Any] | None:
+    """The ids of the tracker run this run continues: a requeued job's own (its run dir has them), else those of
+    the run `resume_from` (the checkpoint this run trains on from) belongs to; None for a new tracker run."""
+    if not resume:
+        return None
+    own = recall(run_dir, tracker)
+    if own is not None:
+        return own
+    return recall(run_dir_of(resume_from), tracker) if resume_from else None
+
+
+@contextlib.contextmanager
+def locked(path: str | Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing) between processes: parallel sweep jobs that would each
+    create the sweep's parent run, or each create the tables of a new MLflow database."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield

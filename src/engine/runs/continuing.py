@@ -1,0 +1,41 @@
+"""The command that continues a stopped run, as its stop line says it (engine.callbacks.checks): pasted as it is,
+it resumes from the checkpoint just saved, with the run's own settings."""
+
+import os
+import re
+import shlex
+
+
+def resume_override(path: str) -> str:
+    """`ckpt_path=<path>` as Hydra reads it back: quoted where the path has what its grammar splits on or rejects (a
+    space, a comma, a bracket, a letter outside ASCII), which the shell's quoting alone does not protect."""
+    if re.fullmatch(r"[\w./\-+:@%]+", path, flags=re.ASCII):
+        return f"ckpt_path={path}"
+    # in Hydra's quotes a backslash is itself, except the ones before a quote or at the end, which are doubled
+    escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, path).replace("'", "\\'")
+    return f"ckpt_path='{escaped}'"
+
+
+def continue_command(path: str) -> str:
+    """For a plain `python train.py` run: that command with the run's own overrides and `ckpt_path=<path>` (a
+    resume with other settings, another model or schedule, is refused, so the overrides come along), less those a
+    resume refuses or does itself: its output folders (it writes into a new run dir) and the profile that
+    $PROJECT_PROFILE adds. For a sweep's job, a tuned run (its tuned value is in the checkpoint, not in an override),
+    or a run torchrun or SLURM started: `ckpt_path=<path>` to add to the command that started it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from engine.cli import PROFILE
+
+    resume = resume_override(path)
+    started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or started_by:
+        return f"{resume} added to the run's command"
+    overrides = list(HydraConfig.get().overrides.task)
+    key = lambda override: override.lstrip("+~").split("=", 1)[0]  # noqa: E731
+    if any(key(o) == "tune" or key(o).startswith("tune.") for o in overrides):
+        return f"{resume} added to the run's command"
+    left_out = re.compile(r"ckpt_path|paths\.output_dir|callbacks\.[^.]+\.dirpath|logger\.[^.]+\.save_dir")
+    profile = f"profile={os.environ.get(PROFILE)}"
+    kept = [o for o in overrides if o != profile and not left_out.fullmatch(key(o))]
+    return shlex.join(["python", "train.py", *kept, resume])

@@ -1,0 +1,218 @@
+"""Where a run writes: its directory's name, claimed atomically, and removed again if the run never started.
+
+Imports no torch: Hydra resolves these names before any task code runs.
+"""
+
+import contextlib
+import fcntl
+import os
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+from engine.launch import environment
+
+# Run dirs this process made, so that a failed start removes only what it created itself.
+CREATED: set[str] = set()
+
+
+def unique_dir(path: str) -> str:
+    """Claim `path`, or `path_1`, `path_2`, ... if taken: two runs started in the same second get two dirs.
+
+    mkdir is atomic, so concurrent processes cannot claim the same name. Hydra caches the result per process.
+    """
+    candidate, n = path, 0
+    while True:
+        try:
+            os.makedirs(candidate, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{path}_{n}"
+
+
+def _slurm_batch_name(parent: str, job_id: str) -> str:
+    """`python train.py` started by a batch script without srun: the k-th such run of the job gets
+    slurm_<job>_run<k>. After a requeue the script starts its runs again in the same order, so each
+    finds its own directory (and checkpoints) again, and two runs of one script never share one."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    with open(os.path.join(parent, f".slurm_{job_id}.starts"), "a+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # released when the file closes
+        ledger.seek(0)
+        k = sum(1 for line in ledger if line.strip() == restart)
+        ledger.write(f"{restart}\n")
+    return f"slurm_{job_id}_run{k}"
+
+
+def run_dir(parent: str) -> str:
+    """`parent/<start time>` (made unique); for ranks started by torchrun or srun a name they share; for a
+    SLURM batch script's own runs a name that survives a requeue."""
+    try:
+        missing = [p for p in (Path(parent), *Path(parent).parents) if not p.exists()]
+        os.makedirs(parent, exist_ok=True)
+        CREATED.update(str(p.resolve()) for p in missing)  # logs/, logs/train/, ...: ours to remove if unused
+        name = environment.shared_run_name()
+        job = environment.slurm_batch_job()
+        if name is None and job is not None:
+            name = _slurm_batch_name(parent, job)
+        if name is None:
+            path = unique_dir(os.path.join(parent, datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+            CREATED.add(os.path.abspath(path))
+            return path
+        path = os.path.join(parent, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+    except OSError as e:
+        raise UserError(
+            f"cannot create a run directory under {parent} ({e.strerror}): set paths.log_dir to a writable directory"
+        ) from e
+
+
+def cwd() -> str:
+    """The directory the command was started from. Unlike `${hydra:runtime.cwd}`, also known while Hydra
+    resolves `hydra.sweep.dir`, before any job exists."""
+    return os.getcwd()
+
+
+def holds_checkpoints(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("*.ckpt")) or any(run_dir.glob("hpc_ckpt_*.ckpt"))
+
+
+CLAIM = ".project_run"  # made with O_EXCL in a run dir the user named: of two runs started at once, one gets it
+
+
+def claim(run_dir: Path, key: str) -> None:
+    """This run's directory, atomically: two runs that both found it empty cannot both write there."""
+    try:
+        os.close(os.open(run_dir / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        raise UserError(
+            f"{key}={run_dir} is being used by another run started at the same time; name a new directory, or "
+            f"leave {key} out for a fresh one"
+        ) from None
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """Remove the run dir of a run that failed before doing anything, if this process made it (not a dir the
+    user named, not a shared torchrun/srun dir, not a sweep job's dir) and it holds only Hydra's bookkeeping."""
+    if str(run_dir.resolve()) not in CREATED or not run_dir.is_dir():
+        return
+    for path in run_dir.rglob("*"):
+        bookkeeping = ".hydra" in path.relative_to(run_dir).parts or path.suffix == ".log" or path.name == CLAIM
+        parts = path.relative_to(run_dir).parts
+        bookkeeping = bookkeeping or parts == ("multirun.yaml",) or parts[0] == ".submitit"  # a sweep's launchers
+        if path.is_file() and not bookkeeping and not _settings_only(path):
+            return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.resolve().parents:  # the folders this process made for it, if nothing else is there
+        if str(parent) not in CREATED:
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def _settings_only(path: Path) -> bool:
+    """A logger's file that holds the run's settings and nothing the run measured: Lightning's hparams.yaml, and a
+    TensorBoard event file with the HParams summary alone, written before the run found the mistake (its data
+    missing offline, say)."""
+    if path.name == "hparams.yaml":
+        return True
+    if not path.name.startswith("events.out.tfevents."):
+        return False
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    try:
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("summary"):
+                if any(value.metadata.plugin_data.plugin_name != "hparams" for value in event.summary.value):
+                    return False
+            elif not event.HasField("file_version"):  # a graph, a session log: something the run did
+                return False
+    except Exception:  # not one we can read: not ours to remove
+        return False
+    return True
+
+
+def earlier_files(directory: Path) -> list[Path]:
+    """Files in `directory` this process did not make (Hydra's bookkeeping, a lock or ledger of ours aside)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".slurm_"))
+
+
+def check_own_output_dir(cfg: Any) -> None:
+    """`paths.output_dir` is this run's own: the run dir Hydra made and the guard checked, or a directory that
+    holds no earlier run's files (`paths.output_dir=<a training run>` would replace its results). Ranks and
+    restarted jobs join a directory already checked."""
+    from hydra.core.hydra_config import HydraConfig
+
+    output_dir = Path(str(cfg.paths.output_dir)).expanduser().resolve()
+    if not HydraConfig.initialized() or environment.restarted() or HydraConfig.get().output_subdir is None:
+        return
+    if output_dir == Path(HydraConfig.get().runtime.output_dir).resolve():
+        return
+    found = earlier_files(output_dir)
+    if found:
+        raise UserError(
+            f"paths.output_dir={output_dir} already holds an earlier run's files "
+            f"({found[0].relative_to(output_dir)}, ...); leave paths.output_dir to Hydra for a new run directory, "
+            "or name a new one"
+        )
+
+
+def make_output_dirs(cfg: Any) -> None:
+    """Every directory the run will write to, made now: an unwritable one (a logger's save_dir, a checkpoint
+    dirpath, paths.output_dir) fails at start with its key named, not after an epoch of training. Before that,
+    paths.output_dir must be this run's own (check_own_output_dir)."""
+    check_own_output_dir(cfg)
+    wanted = {"paths.output_dir": cfg.paths.output_dir}
+    if cfg.get("trainer") is not None and cfg.trainer.get("default_root_dir"):
+        wanted["trainer.default_root_dir"] = cfg.trainer.default_root_dir
+    for group in ("logger", "callbacks"):
+        for name, node in (cfg.get(group) or {}).items():
+            for key in ("save_dir", "dirpath"):
+                if node is not None and node.get(key):
+                    wanted[f"{group}.{name}.{key}"] = node[key]
+    for key, path in wanted.items():
+        _refuse_file_url(key, str(path))
+    made: list[Path] = []  # removed again, deepest first, if a later folder is refused: nothing is left behind
+    try:
+        for key, path in wanted.items():
+            if "://" not in str(path):  # fsspec storage (s3://, gs://): not a local folder; Lightning writes there
+                make_writable(key, Path(str(path)).expanduser(), made)  # `~/x`: Lightning writes under $HOME too
+    except UserError:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _refuse_file_url(key: str, value: str) -> None:
+    """Lightning, its loggers and Hydra take a `file:` URL for a relative path: `file:///x` wrote into ./file:/x."""
+    from urllib.parse import unquote, urlparse
+
+    url = urlparse(value)
+    if url.scheme == "file":
+        named = f" ({unquote(url.path)})" if url.path and not (url.query or url.fragment) else ""
+        raise UserError(f"{key}={value}: a file URL; pass the folder's path itself{named}")
+
+
+def make_writable(key: str, path: Path, made: list[Path]) -> None:
+    """`path` and the folders above it that are missing, made (and added to `made`: a failed start removes what it
+    made itself, never a folder another process made meanwhile), then checked for writing; else one line naming
+    `key`."""
+    try:
+        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
+            try:
+                folder.mkdir()
+                made.append(folder)
+            except FileExistsError:  # made meanwhile by another process: not ours to remove
+                pass
+    except OSError as e:
+        raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
+    if not os.access(path, os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
+        raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")

@@ -1,0 +1,120 @@
+"""A Hydra callback that refuses a run before Hydra writes anything into its directory.
+
+Hydra saves `.hydra/config.yaml` and opens the job's log in the run dir before the task starts, so a
+check inside the task comes too late to leave another run's files alone. `on_run_start` and
+`on_multirun_start` run before that. Hydra turns a callback's exceptions into warnings, so a refusal
+exits here (engine.errors.exit_with).
+"""
+
+import re
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from engine.cli import full_error
+from engine.errors import UserError, exit_with, user_error_in
+from engine.launch import environment
+from engine.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints, make_writable
+
+_TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _stop(error: UserError) -> None:
+    if full_error():
+        raise SystemExit(error)  # PROJECT_FULL_ERROR=1: with the traceback of where it stopped
+    exit_with(error)
+
+
+def _stop_on(error: Exception) -> None:
+    found = user_error_in(error)
+    if found is None:
+        raise error
+    _stop(found)
+
+
+def _refuse_checkpoints(run_dir: Path, ckpt_path: Any = None) -> UserError:
+    if ckpt_path:  # already continuing it: what is wrong is the directory
+        return UserError(
+            f"{run_dir} already holds checkpoints of an earlier run; a run from ckpt_path={ckpt_path} writes a "
+            "directory of its own: leave out hydra.run.dir (or name a new one); the earlier run's files stay as they "
+            "are"
+        )
+    return UserError(
+        f"{run_dir} already holds checkpoints of an earlier run: to continue it pass "
+        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}; for a new run use a new directory "
+        "(with torchrun: a new --rdzv-id)"
+    )
+
+
+def _enclosing_run(path: Path) -> Path | None:
+    """The run directory `path` would sit inside, if any: a run's files are its own, not a parent for more."""
+    for parent in path.resolve().parents:
+        if (parent / ".hydra" / "config.yaml").is_file() or holds_checkpoints(parent):
+            return parent
+    return None
+
+
+def _directory(config: DictConfig, key: str) -> Path:
+    """The run or sweep dir, resolved (our run_dir resolver claims it) and made, or one line saying why not."""
+    HydraConfig.instance().set_config(config)
+    name = str(config.task_name)
+    if not _TASK_NAME.fullmatch(name) or name in (".", ".."):
+        raise UserError(f"task_name={name!r}: a name (letters, digits, _ . -), it names the logs/<task_name> folder")
+    path = Path(str(OmegaConf.select(config, key)))
+    inside = _enclosing_run(path)
+    if inside is not None:
+        raise UserError(f"{key}={path} is inside the directory of another run ({inside}); choose a new directory")
+    made: list[Path] = []
+    try:
+        make_writable(key, path, made)
+    finally:
+        CREATED.update(str(folder.resolve()) for folder in made)  # a failed start removes them (hydra.run.dir=new)
+    return path
+
+
+class RunDirGuard(Callback):
+    """A directory with checkpoints belongs to a training run: only a restart of that job writes there again."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Ranks that Lightning or a sweep job started join a directory their parent already checked.
+        if config.hydra.output_subdir is None or environment.restarted():
+            return
+        try:
+            run_dir = _directory(config, "hydra.run.dir")
+            if holds_checkpoints(run_dir):
+                raise _refuse_checkpoints(run_dir, OmegaConf.select(config, "ckpt_path", default=None))
+            # a directory the launcher names for all its ranks (torchrun, srun), or that the user names for the
+            # nodes started by hand, is shared; any other is this run's own
+            shared = environment.shared_run_name() is not None or environment.shares_a_named_dir()
+            found = earlier_files(run_dir) if not shared else []
+            if found:
+                raise UserError(
+                    f"hydra.run.dir={run_dir} already holds an earlier run's files "
+                    f"({found[0].relative_to(run_dir)}, ...); name a new directory, or leave hydra.run.dir out for a "
+                    "fresh one"
+                )
+            if not shared:
+                claim(run_dir, "hydra.run.dir")
+        except Exception as e:  # a UserError, or one raised inside a resolver, which OmegaConf wraps
+            _stop_on(e)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if environment.restarted():
+            return
+        try:
+            sweep_dir = _directory(config, "hydra.sweep.dir")
+            for job_dir in sorted(sweep_dir.glob("*")):
+                if job_dir.is_dir() and holds_checkpoints(job_dir):
+                    raise _refuse_checkpoints(job_dir)
+            found = earlier_files(sweep_dir)
+            if found:
+                raise UserError(
+                    f"hydra.sweep.dir={sweep_dir} already holds an earlier sweep's files "
+                    f"({found[0].relative_to(sweep_dir)}, ...); name a new directory, or leave hydra.sweep.dir out "
+                    "for a fresh one"
+                )
+        except Exception as e:
+            _stop_on(e)

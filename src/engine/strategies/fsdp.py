@@ -1,0 +1,144 @@
+"""`trainer.strategy=fsdp`: FSDP2 (torch's `fully_shard`) through Lightning's ModelParallelStrategy.
+
+Each process keeps 1/N of every parameter, gradient and optimizer state; a layer's full weights are
+gathered only while it computes. Lightning's own "fsdp" (FSDPStrategy) wraps FSDP1, which PyTorch is
+retiring, and refuses CPU; FSDP2 runs the same code on CUDA (NCCL) and CPU (gloo), so the CPU tests
+cover the GPU path. What is one FSDP unit is engine.strategies.parallelize's policy (`units=[...]` from config, the
+net's repeated block class otherwise); a LightningModule that does not shard its modules in configure_model
+gets that policy applied by the strategy.
+
+Checkpoints are directories of shards (torch.distributed.checkpoint) by default, written by all ranks
+in parallel and loadable at another world size; `save_distributed_checkpoint=false` gathers one
+ordinary file on rank 0 instead (needs the whole model in CPU memory there).
+"""
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from torch.distributed.constants import default_pg_timeout
+
+from engine.errors import UserError
+from engine.launch.ranks import RankWatchingLauncher
+from engine.runs.atomic_io import fsync_dir
+from engine.strategies import parallelize, rendezvous
+from engine.strategies.grad_mode import evaluate_under_no_grad
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Pure data-parallel sharding: the device mesh is one dimension over all N processes."""
+
+    rendezvous_timeout_s = 300  # set from launch.rendezvous_timeout_s by engine.build
+
+    def __init__(
+        self,
+        units: list[str] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.units = [str(u) for u in units] if units else None
+
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's "auto" makes the mesh nodes x devices (devices for tensor parallelism);
+        # for FSDP every process is a data-parallel shard, or two ranks would get the same batches.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A sharded checkpoint is written whole into a staging directory and then swapped in by rename, so a
+        kill during the save leaves the previous checkpoint as it was (Lightning rewrites the shards in place
+        and writes meta.pt last: a kill in between leaves new shards beside the old meta.pt)."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # one file: AtomicCheckpointIO
+        path = Path(self.broadcast(str(filepath)))
+        staging, old = path.with_name(f".{path.name}.staging"), path.with_name(f".{path.name}.old")
+        if self.global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.barrier("checkpoint staging")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("checkpoint written")
+        if self.global_rank == 0:
+            fsync_dir(staging)
+            if path.exists():
+                path.rename(old)
+            staging.rename(path)  # the only moment without a checkpoint at `path`; resume then takes `old`
+            fsync_dir(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier("checkpoint swapped")
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = RankWatchingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def parallelize(self, net: Any) -> None:
+        """Shard `net` over this strategy's mesh: called by a LightningModule's configure_model that hands its net
+        over (ImageClassifier does, to compile after sharding), else by setup. Idempotent."""
+        assert self.lightning_module is not None
+        parallelize.shard(self.lightning_module, net, self.device_mesh["data_parallel"], self.units)
+
+    def setup(self, trainer: Any) -> None:
+        """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of
+        Lightning's demand that every LightningModule override configure_model. Evaluation runs under no_grad, as
+        Lightning's own FSDP strategy does (engine.strategies.grad_mode)."""
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        module = self.lightning_module
+        assert self.model is not None and self.accelerator is not None and module is not None
+        evaluate_under_no_grad(trainer)
+        self.accelerator.setup(trainer)
+        self.parallelize(parallelize.net_of(module))
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()  # move all remaining layers if any left on CPU.
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def post_backward(self, closure_loss: Any) -> None:
+        """After the first backward: a parameter without a gradient (a layer forward does not use) never gets an
+        optimizer state under FSDP, and every checkpoint of the run then fails to load ("Missing optimizer state
+        for parameter"), though the fit itself ends well. Refused at the first step instead, on every rank."""
+        super().post_backward(closure_loss)
+        if getattr(self, "_gradients_checked", False):
+            return
+        self._gradients_checked = True
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:  # a loss of its own per optimizer (a GAN's): not ours
+            return
+        params = self.lightning_module.named_parameters()
+        missing = [name for name, p in params if p.requires_grad and p.grad is None]
+        anywhere = torch.tensor(float(bool(missing)), device=self.root_device)
+        torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX)  # every rank refuses, or none
+        if anywhere.item():
+            missing = missing or ["a parameter on another rank"]
+            raise UserError(
+                f"trainer=fsdp: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} got no gradient in the "
+                "first training step (forward does not use it): under fsdp it would get no optimizer state, and no "
+                "checkpoint of this run could be loaded. Remove what forward does not use, or train it with "
+                "trainer.strategy=ddp_find_unused_parameters_true"
+            )
+
+    def _setup_distributed(self) -> None:
+        # ModelParallelStrategy's own, with our rendezvous in place of _init_dist_connection
+        ParallelStrategy.setup_environment(self)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        rendezvous.connect(self, self.rendezvous_timeout_s)

@@ -1,0 +1,209 @@
+"""A Hydra 1.3 sweeper on Optuna 4/5: ask trials, let any Hydra launcher run them, tell the results.
+
+hydra-optuna-sweeper 1.3.0 pins optuna<3, whose sqlite storage fails under SQLAlchemy 2, and counts n_trials
+per invocation, stops at the first failed trial and leaves killed trials RUNNING for good. Here:
+- n_trials counts the whole study: running the same command again after an interruption continues it;
+- trials left RUNNING by a killed sweep are marked FAIL + interrupted (not counted) and run again first;
+- a failed trial is FAIL with its one-line error, and the sweep goes on (outcome.py);
+- jobs find their trial through hydra.job.env_set (job.py), to report per-epoch values for pruning;
+- with hydra/launcher=parallel, n_jobs trials stay in flight: no batches (in_flight.py);
+- the sweep dir names its study (optuna_study.yaml), for the summary's Optuna plots (plots.py).
+One sweep per study at a time.
+"""
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from . import in_flight, outcome, space, study
+from .config import STORAGE_ENV, STUDY_ENV, STUDY_FILE, TRIAL_ID_ENV, TRIAL_NUMBER_ENV
+from .errors import SweeperConfigError
+
+log = logging.getLogger(__name__)
+
+# The study of the running sweep, for jobs run in this process when there is no storage (basic launcher).
+ACTIVE_STUDY: Any = None
+
+
+class ProjectOptunaSweeper(Sweeper):
+    """See config.ProjectOptunaSweeperConf for the keys."""
+
+    def __init__(
+        self,
+        direction: str,
+        storage: Optional[str],
+        study_name: Optional[str],
+        n_trials: int,
+        n_jobs: int,
+        sampler: Any,
+        pruner: Any,
+        max_failures: Optional[int],
+        params: Optional[DictConfig],
+    ) -> None:
+        direction = {"max": "maximize", "min": "minimize"}.get(direction, direction)  # monitor.mode's words
+        if direction not in ("maximize", "minimize"):
+            raise SweeperConfigError(f"hydra.sweeper.direction={direction}: use maximize or minimize (or max, min)")
+        for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs)):
+            if not isinstance(value, int) or value < 1:
+                raise SweeperConfigError(f"hydra.sweeper.{key}={value}: must be an integer of at least 1")
+        self.direction, self.storage, self.study_name = direction, storage, study_name
+        self.n_trials, self.n_jobs, self.max_failures = n_trials, n_jobs, max_failures
+        self.sampler_cfg, self.pruner_cfg = sampler, pruner
+        self.params: dict[str, Any] = dict(params or {})
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config  # validate_batch_is_legal reads these two
+        self._context, self._config = hydra_context, config
+        self._launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+        workers = OmegaConf.select(config, "hydra.launcher.n_jobs")
+        if in_flight.concurrent(self._launcher) and isinstance(workers, int) and 0 < workers < self.n_jobs:
+            raise SweeperConfigError(  # the extra trials would wait in the launcher's queue, counted as running
+                f"hydra.sweeper.n_jobs={self.n_jobs}: more trials at once than the launcher's {workers} workers; "
+                f"use hydra.sweeper.n_jobs={workers}, or raise hydra.launcher.n_jobs"
+            )
+
+    def _name(self, search: dict[str, Any], fixed: list[str]) -> str:
+        """The configured study name, or one derived from the search (named after the hparams_search option)."""
+        if self.study_name:
+            return self.study_name
+        base = OmegaConf.select(self._config, "hydra.runtime.choices.hparams_search") or self._config.hydra.job.name
+        return space.study_name(str(base).replace("/", "_"), search, fixed, self.direction)
+
+    def _job_overrides(self, trial: Any, search: dict[str, Any], fixed: list[str], name: str) -> list[str]:
+        chosen = [f"{key}={space.suggest(trial, key, dist)}" for key, dist in search.items()]
+        env = {TRIAL_ID_ENV: trial._trial_id, TRIAL_NUMBER_ENV: trial.number, STUDY_ENV: name}
+        if self.storage:
+            env[STORAGE_ENV] = self.storage
+        return chosen + fixed + [f"++hydra.job.env_set.{k}={space.quoted(v)}" for k, v in env.items()]
+
+    def sweep(self, arguments: list[str]) -> None:
+        global ACTIVE_STUDY
+        parser = OverridesParser.create(config_loader=self._context.config_loader)
+        search, fixed = space.split(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
+        name = self._name(search, fixed)
+        self._lock = study.lock(name, self.storage)  # held while this process lives
+        the_study = ACTIVE_STUDY = study.open_study(
+            name, self.storage, self.direction, self.sampler_cfg, self.pruner_cfg
+        )
+        # written once the storage has passed: a refused sweep leaves no sweep dir (engine.cli removes it)
+        sweep_dir = Path(self._config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self._config, sweep_dir / "multirun.yaml")
+        study.save_name(sweep_dir / STUDY_FILE, name, self.storage, self.direction)
+        study.retry_interrupted(the_study)
+        log.info(
+            f"Study {name} ({self.storage or 'in memory'}), direction {self.direction}: "
+            f"{study.finished(the_study)} of {self.n_trials} trials done"
+        )
+        if self.n_jobs > 1 and in_flight.concurrent(self._launcher):
+            self._run_one_by_one(the_study, search, fixed, name)
+        else:
+            self._run_in_batches(the_study, search, fixed, name)
+        study.save_best(the_study, sweep_dir / "optimization_results.yaml")
+
+    def _too_many_failures(self, failures: int) -> bool:
+        if self.max_failures is None or failures < self.max_failures:
+            return False
+        log.error(f"{failures} trials failed in this run (max_failures={self.max_failures}): no new trials")
+        return True
+
+    def _record(self, the_study: Any, trial: Any, ret: JobReturn, job_dir: Optional[Path] = None) -> bool:
+        """Tell the study how the trial's job ended; True when it failed."""
+        if job_dir is None and ret.hydra_cfg is not None:
+            job_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir)
+        if job_dir is not None:
+            trial.set_user_attr("output_dir", str(job_dir))
+        return outcome.record(the_study, trial, ret, job_dir) == "FAIL"
+
+    def _run_in_batches(self, the_study: Any, search: dict[str, Any], fixed: list[str], name: str) -> None:
+        """n_jobs trials handed to the launcher at once, the next batch when all of them are done: the basic
+        launcher runs them one after the other in this process."""
+        failures = 0
+        while (to_go := self.n_trials - study.finished(the_study)) > 0 and not self._too_many_failures(failures):
+            trials = [the_study.ask() for _ in range(min(self.n_jobs, to_go))]
+            try:
+                batch = [self._job_overrides(trial, search, fixed, name) for trial in trials]
+                self.validate_batch_is_legal(batch)
+                returns = self._launcher.launch(batch, initial_job_idx=trials[0].number)
+            except BaseException:  # a bad override, Ctrl-C: these trials did not run, or not to their end
+                for trial in trials:
+                    study.abandon(the_study, trial._trial_id, trial.params)
+                raise
+            for trial, ret in zip(trials, returns):
+                failures += self._record(the_study, trial, ret)
+            if study.stopped(the_study):
+                log.info("The sampler has tried every point of the search space: done")
+                break
+
+    def _run_one_by_one(self, the_study: Any, search: dict[str, Any], fixed: list[str], name: str) -> None:
+        """n_jobs trials in flight: whenever one ends, the next is asked for and launched at once (in_flight.py)."""
+        log.info(f"{self.n_jobs} trials at a time: the next one starts as soon as any of them ends")
+        running = in_flight.InFlight(self._launcher)
+        failures, asking = 0, True
+        try:
+            while True:
+                while asking and len(running) < self.n_jobs:
+                    if self.n_trials - study.finished(the_study) - len(running) <= 0:
+                        break
+                    if self._too_many_failures(failures):
+                        asking = False
+                        break
+                    trial = the_study.ask()
+                    try:
+                        overrides = self._job_overrides(trial, search, fixed, name)
+                        self.validate_batch_is_legal([overrides])
+                    except BaseException:
+                        study.abandon(the_study, trial._trial_id, trial.params)
+                        raise
+                    running.start(trial, overrides)
+                if not running:
+                    break
+                trial, overrides, result = running.next_done()
+                if isinstance(result, BaseException):  # the launcher lost the job: failed, the others go on
+                    failures += self._record(
+                        the_study, trial, self._lost(result, overrides), self._job_dir(overrides, trial.number)
+                    )
+                else:
+                    failures += self._record(the_study, trial, result)
+                if asking and study.stopped(the_study):
+                    log.info("The sampler has tried every point of the search space: done once the running trials end")
+                    asking = False
+        except BaseException as e:  # a bad override, Ctrl-C: the trials still running did not run to their end
+            cut = [trial.number for trial in running.trials()]
+            for trial in running.trials():
+                study.abandon(the_study, trial._trial_id, trial.params)
+            if not isinstance(e, KeyboardInterrupt):
+                raise
+            # Ctrl-C reached the workers too (one process group): their jobs stop as a single run's would
+            print(
+                f"stopped by SIGINT: trials {cut} were cut off; the same command runs them again first", file=sys.stderr
+            )
+            raise SystemExit(130) from None
+
+    @staticmethod
+    def _lost(error: BaseException, overrides: list[str]) -> JobReturn:
+        """A failed JobReturn for a job the launcher raised on instead of returning it (a killed worker process)."""
+        lost = in_flight.LostJob(
+            "its worker process died, or was stopped with the pool when another worker died: "
+            f"{type(error).__name__}: {' '.join(str(error).split())}"
+        )
+        lost.__cause__ = error
+        return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=lost)
+
+    def _job_dir(self, overrides: list[str], number: int) -> Path:
+        """The directory the launcher gave this job, named as Hydra's run_job names it (hydra.sweep.subdir)."""
+        cfg = self._context.config_loader.load_sweep_config(self._config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.job.num = number
+        return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
