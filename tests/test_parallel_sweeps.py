@@ -16,9 +16,9 @@ import optuna
 import pytest
 from conftest import REPO, cli_env
 
-from engine.callbacks.device_slots import share, visible_gpus
+from engine.sweeps.device_slots import share, visible_gpus
 
-CLAIM = "from pathlib import Path; from engine.callbacks.device_slots import claim_slot; import sys, time; "
+CLAIM = "from pathlib import Path; from engine.sweeps.device_slots import claim_slot; import sys, time; "
 
 
 def test_each_process_holds_the_first_free_slot_until_it_ends(tmp_path):

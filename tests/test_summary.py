@@ -1,4 +1,4 @@
-"""The sweep summary (src/engine/runs/summary.py): written when a sweep ends, and by its own command."""
+"""The sweep summary (src/engine/sweeps/summary.py): written when a sweep ends, and by its own command."""
 
 import csv
 import json
@@ -36,7 +36,7 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
     (root / "0" / "fit_metrics.json").unlink()
     (root / "0" / "test_metrics.json").unlink()
     (root / "summary.csv").unlink()
-    again = run_python([sys.executable, "-m", "engine.runs.summary", str(root)], tmp_path, cli_env())
+    again = run_python([sys.executable, "-m", "engine.sweeps.summary", str(root)], tmp_path, cli_env())
     assert again.returncode == 0, again.stderr
     statuses = {r["job"]: r["status"] for r in csv.DictReader((root / "summary.csv").open())}
     assert statuses == {"0": "unfinished", "1": "unfinished", "2": "ok"}
@@ -44,7 +44,7 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
 
     # a sweep killed before its last job started: that job is a row too, with the overrides it would have run with
     shutil.rmtree(root / "2")
-    again = run_python([sys.executable, "-m", "engine.runs.summary", str(root)], tmp_path, cli_env())
+    again = run_python([sys.executable, "-m", "engine.sweeps.summary", str(root)], tmp_path, cli_env())
     assert again.returncode == 0, again.stderr
     rows = {r["job"]: r for r in csv.DictReader((root / "summary.csv").open())}
     assert {job: r["status"] for job, r in rows.items()} == {"0": "unfinished", "1": "unfinished", "2": "not started"}
@@ -53,7 +53,7 @@ def test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit(cli
 
 
 def test_the_command_refuses_a_directory_that_is_no_sweep(tmp_path: Path):
-    proc = run_python([sys.executable, "-m", "engine.runs.summary", str(tmp_path)], tmp_path, cli_env())
+    proc = run_python([sys.executable, "-m", "engine.sweeps.summary", str(tmp_path)], tmp_path, cli_env())
     assert (
         proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no sweep jobs in it (directories with .hydra/)\n"
     )
@@ -63,7 +63,7 @@ def test_a_job_a_signal_stopped_is_interrupted_not_ok(tmp_path: Path):
     """A job that a signal stopped wrote its metrics so far with `"status": "interrupted"` (resumable from its
     last.ckpt); its row said `ok`, and sorted among the finished jobs by its partial metric. A job that finished,
     and one killed before writing anything, for comparison."""
-    from engine.runs.summary import read_sweep
+    from engine.sweeps.summary import read_sweep
 
     for name, fit in {
         "0": {"status": "ok", "best/val/acc": 0.9},
@@ -74,7 +74,7 @@ def test_a_job_a_signal_stopped_is_interrupted_not_ok(tmp_path: Path):
     (tmp_path / "2" / ".hydra").mkdir(parents=True)
     jobs, _ = read_sweep(tmp_path)
     assert [(job.name, job.status) for job in jobs] == [("0", "ok"), ("1", "interrupted"), ("2", "unfinished")]
-    proc = run_python([sys.executable, "-m", "engine.runs.summary", str(tmp_path)], tmp_path, cli_env())
+    proc = run_python([sys.executable, "-m", "engine.sweeps.summary", str(tmp_path)], tmp_path, cli_env())
     assert "3 jobs: 1 ok, 1 interrupted, 1 unfinished" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -82,7 +82,7 @@ def test_a_basic_sweeps_planned_jobs_that_never_started_are_rows_and_no_others(t
     """From multirun.yaml, as Hydra's basic sweeper expands it (its params first, then the command line): job 2 never
     started. Job 1's folder is there without `.hydra/` (hydra.output_subdir=null, or a job just starting): a row of
     its own, with its planned overrides. An Optuna sweep's trials are not known ahead: no such rows."""
-    from engine.runs.summary import read_sweep
+    from engine.sweeps.summary import read_sweep
 
     def sweep(target: str) -> Path:
         root = tmp_path / target.rsplit(".", 1)[-1]
@@ -110,7 +110,7 @@ def test_a_basic_sweeps_planned_jobs_that_never_started_are_rows_and_no_others(t
 
 def test_a_job_killed_during_its_test_is_unfinished_not_ok(tmp_path: Path):
     """Its fit's metrics are there, but its config asked for a test (`test: true`) that wrote none."""
-    from engine.runs.summary import read_sweep
+    from engine.sweeps.summary import read_sweep
 
     for name, test in {"0": True, "1": True, "2": False}.items():
         (tmp_path / name / ".hydra").mkdir(parents=True)
@@ -125,7 +125,7 @@ def test_a_sharded_jobs_epochs_are_read_from_its_checkpoint_folder(tmp_path: Pat
     """fsdp's last.ckpt is a folder of shards and a meta.pt: its row's epochs were blank."""
     import torch
 
-    from engine.runs.summary import read_sweep
+    from engine.sweeps.summary import read_sweep
 
     progress = {"fit_loop": {"epoch_progress": {"current": {"processed": 3}}}}
     for name in ("0", "1"):

@@ -25,9 +25,10 @@ from engine.errors import (
     unused_parameters_in,
     user_error_in,
 )
-from engine.launch import environment, sweeps
-from engine.launch.sweeps import record_failure
+from engine.launch import environment
 from engine.runs.dirs import remove_if_unused
+from engine.sweeps import jobs as sweeps
+from engine.sweeps.jobs import record_failure
 
 # Set by the user to see full tracebacks; copied at the first start so launched ranks keep it.
 FULL_ERROR = "PROJECT_FULL_ERROR"
@@ -147,7 +148,7 @@ def _summary_of_a_stopped_sweep() -> None:
     if not sweep_dir.is_dir() or not any((p / ".hydra").is_dir() for p in sweep_dir.iterdir()):
         return
     from engine.errors import say
-    from engine.runs.summary import write_summary
+    from engine.sweeps.summary import write_summary
 
     try:
         jobs = write_summary(sweep_dir)
@@ -293,7 +294,7 @@ def run(task: str, cfg: DictConfig) -> Any:
     """Call the task (`module:function`) on `cfg`. A mistake leaves no run dir behind and becomes one
     `error: ...` line on stderr with exit code 2; config mistakes are found before torch is even imported. In a
     sweep, any failure fails this job only: one line on stderr, the traceback in the job's error.txt, and the
-    sweep goes on (engine.launch.sweeps.SweepReport exits non-zero at its end)."""
+    sweep goes on (engine.sweeps.jobs.SweepReport exits non-zero at its end)."""
     from engine.config.schema import check_config
 
     ignore_known_warnings()

@@ -3,7 +3,7 @@
 Lightning's MLFlowLogger, with what it leaves out here: params are the whole resolved config under dotted keys
 (`model.optimizer.lr`) and the config groups chosen (`model=lenet`); the best checkpoint is an artifact at the
 end of fit; a resumed run continues its MLflow run (the id is kept in the run dir, engine.loggers.tracking);
-each job of a sweep is a child of one parent run of the sweep (engine.loggers.mlflow_sweep). mlflow is imported
+each job of a sweep is a child of one parent run of the sweep (engine.sweeps.mlflow_runs). mlflow is imported
 only when a run starts (it costs about a second).
 """
 
@@ -19,7 +19,8 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
 from engine.errors import UserError
-from engine.loggers import mlflow_sweep, tracking
+from engine.loggers import tracking
+from engine.sweeps import mlflow_runs as mlflow_sweep
 
 log = logging.getLogger(__name__)
 

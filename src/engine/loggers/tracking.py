@@ -39,7 +39,7 @@ def sweep_dir() -> str | None:
     """The sweep dir of a sweep job; None for a single run."""
     from hydra.core.hydra_config import HydraConfig
 
-    from engine.launch.sweeps import is_multirun
+    from engine.sweeps.jobs import is_multirun
 
     return str(HydraConfig.get().sweep.dir) if is_multirun() else None
 

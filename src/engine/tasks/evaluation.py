@@ -8,10 +8,10 @@ from omegaconf import DictConfig, OmegaConf
 from engine import build, contract
 from engine.config.schema import check_config
 from engine.errors import UserError
-from engine.launch import sweeps
 from engine.runs import checkpoints
 from engine.runs.dirs import make_output_dirs
 from engine.runs.results import read_metrics, write_metrics
+from engine.sweeps import jobs as sweeps
 from engine.tasks.numerics import set_matmul_precision
 from engine.tasks.seeding import seed_run
 

@@ -11,8 +11,8 @@ from omegaconf import DictConfig
 from engine import build
 from engine.config.schema import check_config
 from engine.errors import UserError
-from engine.launch import sweeps
 from engine.runs.dirs import make_output_dirs
+from engine.sweeps import jobs as sweeps
 from engine.tasks.numerics import set_matmul_precision
 from engine.tasks.seeding import seed_run
 

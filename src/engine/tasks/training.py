@@ -11,10 +11,11 @@ from engine.callbacks import averaging
 from engine.callbacks.monitor import Monitor, best_key
 from engine.callbacks.schedule import StretchSchedule
 from engine.config.schema import check_config
-from engine.launch import environment, sweeps
+from engine.launch import environment
 from engine.runs import checkpoints, resume
 from engine.runs.dirs import make_output_dirs
 from engine.runs.results import write_metrics
+from engine.sweeps import jobs as sweeps
 from engine.tasks import tune
 from engine.tasks.numerics import set_matmul_precision
 from engine.tasks.seeding import seed_run

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine import build
 from engine.errors import UserError
-from engine.launch import sweeps
 from engine.runs.atomic_io import write_file
 from engine.runs.dirs import remove_if_unused
+from engine.sweeps import jobs as sweeps
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """How a finished job becomes its trial's state: COMPLETE with its value, PRUNED, or FAIL with a one-line error.
 
 Every FAIL leaves `<job dir>/error.txt` and one `error:` line on stderr, as a basic sweep's failed job does
-(engine.launch.sweeps.record_failure): the job writes it when it catches its own error; the sweeper writes it
+(engine.sweeps.jobs.record_failure): the job writes it when it catches its own error; the sweeper writes it
 for what the job could not record (an exception that escaped the task, a return value that is not a number).
 The sweep goes on; the non-zero exit at its end is SweepReport's, a Hydra callback that runs after the sweeper.
 """

@@ -1,5 +1,5 @@
 """Optuna's own plots of a sweep's study, beside the sweep summary's summary.png: optimization history, parameter
-importances, intermediate values (the per-epoch values the pruner judged). Drawn by engine.runs.summary for a
+importances, intermediate values (the per-epoch values the pruner judged). Drawn by engine.sweeps.summary for a
 sweep dir that names its study (optuna_study.yaml, written by the sweeper). They show the whole study, every run of
 the same search; a plot that cannot be drawn is a line in summary.md saying why, never a failed summary."""
 

@@ -1,7 +1,7 @@
 """One table and one figure per sweep: every job's overrides, status, metrics, epochs and wall time.
 
 Written into the sweep dir when a multirun ends (SweepSummary, a Hydra callback) and by
-`python -m engine.runs.summary <sweep dir>` for an existing one: summary.csv, summary.md (sorted by the
+`python -m engine.sweeps.summary <sweep dir>` for an existing one: summary.csv, summary.md (sorted by the
 optimized metric, best first) and summary.png (the metric against each swept parameter). It reads what each
 job left in its directory, so it works for any sweeper and launcher, and a failed or killed job is a row, never
 a crash of the summary; for a basic sweep, also the jobs it planned (multirun.yaml) that never started.
@@ -20,10 +20,10 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from engine.launch.sweeps import ERROR_FILE
 from engine.runs.results import best_key, read_metrics
+from engine.sweeps.jobs import ERROR_FILE
 
-PRUNED_FILE = "pruned.json"  # written by engine.callbacks.pruning when Optuna stopped the job
+PRUNED_FILE = "pruned.json"  # written by engine.sweeps.pruning when Optuna stopped the job
 COLUMNS = ["job", "status", "metric", "test", "epochs", "wall_s", "overrides", "error"]
 
 
@@ -288,7 +288,7 @@ def optuna_plots(sweep_dir: Path) -> str:
     by our Optuna sweeper), and the section of summary.md that lists them; "" for any other sweep."""
     if not (sweep_dir / "optuna_study.yaml").is_file():
         return ""
-    import importlib  # the plugin by name, as engine.callbacks.pruning imports it (mypy sees src/ by path)
+    import importlib  # the plugin by name, as engine.sweeps.pruning imports it (mypy sees src/ by path)
 
     return importlib.import_module("hydra_plugins.engine_optuna_sweeper.plots").write(sweep_dir)
 
@@ -300,7 +300,7 @@ def write_summary(sweep_dir: Path) -> list[Job]:
     (sweep_dir / "summary.md").write_text(to_markdown(jobs, metric, sweep_dir) + optuna_plots(sweep_dir))
     if jobs:
         plot(jobs, metric, sweep_dir / "summary.png")
-    from engine.loggers import mlflow_sweep  # the summary on the sweep's MLflow parent run, if it has one
+    from engine.sweeps import mlflow_runs as mlflow_sweep  # the summary on the sweep's MLflow parent run, if it has one
 
     mlflow_sweep.log_summary(sweep_dir)
     return jobs
@@ -323,9 +323,11 @@ class SweepSummary(Callback):
 
 
 def main(argv: list[str]) -> int:
-    """python -m engine.runs.summary <sweep dir>: (re)write the summary of an existing sweep."""
+    """python -m engine.sweeps.summary <sweep dir>: (re)write the summary of an existing sweep."""
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("error: usage: python -m engine.runs.summary <sweep dir> (logs/train/multiruns/<time>)", file=sys.stderr)
+        print(
+            "error: usage: python -m engine.sweeps.summary <sweep dir> (logs/train/multiruns/<time>)", file=sys.stderr
+        )
         return 2
     sweep_dir = Path(argv[0])
     if not any((p / ".hydra").is_dir() for p in sweep_dir.iterdir()):

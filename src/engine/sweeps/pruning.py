@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning.pytorch as L
 
-from engine.runs.summary import PRUNED_FILE  # the job dir's mark of a pruned job
+from engine.sweeps.summary import PRUNED_FILE  # the job dir's mark of a pruned job
 
 log = logging.getLogger(__name__)
 

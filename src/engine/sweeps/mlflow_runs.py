@@ -3,7 +3,7 @@
 
 The first job to start creates the parent and keeps its id in the sweep dir (trackers.json); a lock on the sweep
 dir makes it the only one when jobs start at once (hydra/launcher=parallel). Imports no Lightning: the summary
-(`python -m engine.runs.summary`) calls it too.
+(`python -m engine.sweeps.summary`) calls it too.
 """
 
 from pathlib import Path
@@ -38,7 +38,7 @@ def parent_run(client: Any, sweep_dir: str, experiment_name: str, artifact_locat
 
 
 def log_summary(sweep_dir: Path) -> None:
-    """At the end of a sweep (engine.runs.summary): its summary files as artifacts of the parent run, which then
+    """At the end of a sweep (engine.sweeps.summary): its summary files as artifacts of the parent run, which then
     ends. Nothing for a sweep without MLflow, and mlflow is not even imported."""
     parent = tracking.recall(sweep_dir, NAME)
     if parent is None:
