@@ -9,7 +9,8 @@ import torch
 from conftest import REPO, cli_env, run_python
 
 from engine.errors import UserError
-from engine.runs.checkpoints import check_readable, load_model
+from engine.runs.checkpoints import check_readable
+from engine.runs.full_model import load_model
 
 MLP_MODEL = {
     "_target_": "project.models.classifier.ImageClassifier",

@@ -96,8 +96,7 @@ def test_one_image_at_a_time_gives_the_same_logits_as_a_batch(make_cfg, tmp_path
 def test_a_sharded_fsdp_checkpoint_is_gathered_and_exported(cli, tmp_path, test_pixels):
     import onnxruntime
 
-    from engine.runs.checkpoints import load_model
-    from engine.runs.full_model import load_full_model
+    from engine.runs.full_model import load_full_model, load_model
 
     cli(
         "train.py",

@@ -57,7 +57,7 @@ def test_a_checkpoint_of_each_model_rebuilds_through_the_safe_loader(make_cfg, t
     from omegaconf import OmegaConf
 
     from engine import build
-    from engine.runs.checkpoints import load_model
+    from engine.runs.full_model import load_model
 
     # as a run would be: torchvision's nets take three channels (a checkpoint whose data does not fit is refused)
     cfg = make_cfg(f"model={model}", *(["data.channels=3"] if model == "torchvision" else []))

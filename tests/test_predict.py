@@ -108,7 +108,7 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, content, message):
 
 @pytest.mark.slow
 def test_predict_writes_one_row_per_input_in_order_with_the_models_probabilities(cli, tmp_path, checkpoint, digits):
-    from engine.runs.checkpoints import load_model
+    from engine.runs.full_model import load_model
 
     idx = write_idx_images(tmp_path / "t10k-images-idx3-ubyte", digits)
     cli("predict.py", f"ckpt_path={checkpoint}", f"input={idx}", "batch_size=8")

@@ -275,7 +275,7 @@ def trainer(
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends(checks_every_n_steps, run_config)
     overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks), **_profiler(cfg)}
-    from engine.cli import ignore_known_warnings
+    from engine.console import ignore_known_warnings
 
     ignore_known_warnings()  # Lightning's srun hint among them: also where a Trainer is built in-process (tests)
     # An empty list would make Lightning add its default CSV/TensorBoard logger; False means none.

@@ -2,11 +2,9 @@
 
 import contextlib
 import difflib
-import logging
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,15 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from engine.console import (
+    FULL_ERROR,
+    PROFILE,
+    STOPPED_BY_A_SIGNAL,
+    full_error,
+    ignore_known_warnings,
+    lost_connection,
+    one_console_output,
+)
 from engine.errors import (
     UserError,
     disk_error_in,
@@ -29,15 +36,6 @@ from engine.launch import environment
 from engine.runs.dirs import remove_if_unused
 from engine.sweeps import jobs as sweeps
 from engine.sweeps.jobs import record_failure
-
-# Set by the user to see full tracebacks; copied at the first start so launched ranks keep it.
-FULL_ERROR = "PROJECT_FULL_ERROR"
-# A config of conf/profile/ applied to every command (PROJECT_PROFILE=tiny: the test suite's small sizes).
-PROFILE = "PROJECT_PROFILE"
-
-
-def full_error() -> bool:
-    return os.environ.get(FULL_ERROR) == "1"
 
 
 def _one_line(text: str) -> str:
@@ -136,9 +134,6 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     _leave(0)
 
 
-STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: how a run that a signal stopped exits
-
-
 def _summary_of_a_stopped_sweep() -> None:
     """A sweep that a signal stopped ends without Hydra's end-of-sweep callbacks: its summary (the finished jobs, the
     one stopped, those not started) is written here, as at its end."""
@@ -157,20 +152,6 @@ def _summary_of_a_stopped_sweep() -> None:
         return
     left = sum(job.status == "not started" for job in jobs)
     say(f"sweep stopped, {left} of {len(jobs)} jobs not started; summary: {sweep_dir / 'summary.md'}")
-
-
-def ignore_known_warnings() -> None:
-    """In the process that parsed the command line, in a parallel sweep's workers (which start at `run`), in
-    ddp_spawn's workers (engine.strategies.ddp) and wherever a Trainer is built (engine.build)."""
-    # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
-    # start this run with it; runs under SLURM start with srun (README, SLURM), and this one was meant to run here
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-    # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # said in our words, with the fix, by engine.contract (it stops the run)
-    warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
-    # a resumed run writes into its own new directory, by design: not a problem to report
-    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 def _remove_unused_sweep_dir() -> None:
@@ -203,32 +184,6 @@ def _leave(code: Any) -> None:
         os._exit(status)
 
 
-def _no_service_tips(record: logging.LogRecord) -> bool:
-    """Lightning 2.6 logs, in every run, tips to install its cloud services' packages (litlogger, litmodels): noise
-    in every run's console and log, and on a cluster's compute node without internet, advice that cannot apply."""
-    return not str(record.msg).startswith("💡 Tip:")
-
-
-def one_console_output() -> None:
-    """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
-    prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
-    `error:` lines belong. A rank that rank 0 started prints nothing: its lines are in its own log."""
-    import lightning.pytorch  # noqa: F401  adds its handlers on import: remove them after, not before
-
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_service_tips)  # added once
-    if environment.watched_rank():  # rank 0 alone on the console (as ddp_spawn's workers): this rank in its own log
-        for handler in list(logging.getLogger().handlers):
-            if type(handler) is logging.StreamHandler:
-                logging.getLogger().removeHandler(handler)
-    if logging.getLogger().handlers:
-        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
-            logger = logging.getLogger(name)
-            for handler in list(logger.handlers):
-                if type(handler) is logging.StreamHandler:
-                    logger.removeHandler(handler)
-                    logger.propagate = True  # Lightning stopped it when it added its own: the root's handlers print
-
-
 def _error_line(error: BaseException) -> str:
     if isinstance(error, UserError):
         return str(error)
@@ -238,14 +193,6 @@ def _error_line(error: BaseException) -> str:
 def _config_error(error: BaseException) -> bool:
     """Lightning says a setting cannot work (MisconfigurationException): a user's mistake, not a bug."""
     return isinstance(error, UserError) or type(error).__name__ == "MisconfigurationException"
-
-
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
-
-
-def lost_connection(error: BaseException) -> bool:
-    """A collective that failed because another rank ended (died, or stopped on an error of its own)."""
-    return any(text in str(error) for text in _PEER_GONE)
 
 
 def _lost_rank(error: BaseException) -> str | None:

@@ -141,9 +141,7 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
         model.train(was)
     classes = getattr(datamodule, "num_classes", None)
     wanted = getattr(model, "num_classes", None)
-    from project.models.classifier import ImageClassifier
-
-    if isinstance(model, ImageClassifier):  # it trains on a tensor of class scores; a module of yours, on its own
+    if _is_classifier(model):  # it trains on a tensor of class scores; a module of yours, on its own
         _check_scores(model, weights, x, out)
     if isinstance(classes, int) and isinstance(wanted, int) and isinstance(out, torch.Tensor) and out.dim() == 2:
         if out.shape[1] != classes:
@@ -156,6 +154,15 @@ def check_fits(model: Any, datamodule: Any, data_config: Any) -> None:
                 f"{_named(model)} has {out.shape[1]} outputs (model.num_classes={wanted}) but the data has "
                 f"{classes} classes: {fix}"
             )
+
+
+def _is_classifier(model: Any) -> bool:
+    """The classifier pattern (the template's ImageClassifier, or a module of yours written like it): a `net` that
+    returns class scores, and `num_classes` of them."""
+    import torch
+
+    classes = getattr(model, "num_classes", None)
+    return isinstance(getattr(model, "net", None), torch.nn.Module) and isinstance(classes, int) and classes > 0
 
 
 def _check_scores(model: Any, weights: dict[str, Any], x: Any, out: Any) -> None:

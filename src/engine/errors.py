@@ -58,6 +58,11 @@ def say(line: str, console: bool = True) -> None:
             handler.release()
 
 
+def in_a_run() -> bool:
+    """Whether a task is running in this process (engine.cli.run), in whichever thread asks."""
+    return _in_a_run
+
+
 @contextmanager
 def run_log() -> Iterator[None]:
     """While a task runs (engine.cli.run): what `say` says also goes to its log file. Not before or after it: a

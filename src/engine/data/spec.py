@@ -40,10 +40,6 @@ class InputSpec:
             raise ValueError(f"std={list(self.std)}: must be positive")
 
 
-def _mnist_shaped(mean: float, std: float, channels: int = 1) -> InputSpec:
-    return InputSpec(channels=channels, height=28, width=28, mean=(mean,) * channels, std=(std,) * channels)
-
-
 def of_module(module: Any) -> InputSpec | None:
     """What a LightningModule says it takes, if it says so: an `input_spec` attribute or method (README, Add your
     model); it comes before the data's."""
@@ -54,25 +50,6 @@ def of_module(module: Any) -> InputSpec | None:
     return spec
 
 
-def _builtin(target: str, data: dict[str, Any]) -> InputSpec | None:
-    """The template's own in-memory data sets; their modules are not asked (they predate this)."""
-    if target == "project.data.digits.DigitsDataModule":
-        from project.data.digits import MNIST_MEAN, MNIST_STD
-
-        channels = data.get("channels", 1)
-        if channels not in (1, 3):
-            raise UserError(f"data.channels={channels!r}: the digits are grey (1) or grey in three channels (3)")
-        return _mnist_shaped(MNIST_MEAN, MNIST_STD, channels)
-    if target == "project.data.mnist.MNISTDataModule":
-        from project.data.mnist import STATS
-
-        dataset = data.get("dataset", "MNIST")
-        if dataset not in STATS:
-            raise UserError(f"data.dataset={dataset!r}: not an MNIST-format data set this project knows")
-        return _mnist_shaped(*STATS[dataset])
-    return None
-
-
 def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> InputSpec:
     """The input of a model trained on the data module `data` (a plain config dict, as a checkpoint holds).
 
@@ -81,9 +58,6 @@ def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> I
         raise UserError(f"{where}: holds no data config, so the model's input size and normalization are unknown")
     checkpoints.check_buildable(data, where, kind="data", trusted=trusted)  # imports nothing outside those
     target = data["_target_"]
-    found = _builtin(target, data)
-    if found is not None:
-        return found
     import hydra
 
     cls = hydra.utils.get_class(target)

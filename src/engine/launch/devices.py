@@ -34,7 +34,7 @@ def default_choice() -> str:
     """Ask Lightning itself, so the answer is the one a real run gets."""
     import lightning.pytorch as L
 
-    from engine.cli import ignore_known_warnings
+    from engine.console import ignore_known_warnings
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     ignore_known_warnings()  # on a login node that has srun, Lightning warns that this process was not started by it

@@ -28,7 +28,7 @@ def describe() -> Described:
 
 def recreate(described: Described, rank: int) -> None:
     """In a spawned worker: the handlers `describe` found, for this rank (the console for rank 0 alone)."""
-    from engine.cli import one_console_output
+    from engine.console import one_console_output
 
     level, handlers = described
     root = logging.getLogger()

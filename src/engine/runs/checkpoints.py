@@ -214,7 +214,7 @@ def _check_dense(path: Path, state_dict: dict) -> None:
                 )
 
 
-def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
+def build_model(config: dict, path: Path, state_dict: dict | None) -> Any:
     """The model of a checkpoint's config: first on the meta device (no memory), checked against the
     checkpoint's own weights, so that a config asking for a 4 TB layer fails before allocating it."""
     import hydra
@@ -255,30 +255,6 @@ def _build(config: dict, path: Path, state_dict: dict | None) -> Any:
             f"ckpt_path={path}: its model config cannot be built ({type(cause).__name__}: "
             f"{' '.join(str(cause).split())[:300]})"
         ) from e
-
-
-def load_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
-    """Rebuild the LightningModule from the run config stored in the checkpoint, with its weights loaded
-    unless the checkpoint is sharded (then the fsdp strategy loads them: trainer.test(ckpt_path=...))."""
-    p = check_readable(path)
-    ckpt = load(p)
-    config = run_config(p, ckpt)
-    check_buildable(config["model"], "model", kind="model", trusted=trusted)
-    state_dict = None if is_sharded(p) else ckpt.get("state_dict")
-    if not is_sharded(p) and not isinstance(state_dict, dict):
-        raise UserError(f"ckpt_path={path}: holds no weights (state_dict); it is not a checkpoint of a trained model")
-    model = _build(config["model"], p, state_dict)
-    if state_dict is not None:
-        model.load_state_dict(state_dict)
-    if isinstance(config.get("data"), dict):  # a model and data that do not fit: one line, not a traceback later
-        from engine.contract import check_fits
-
-        try:
-            check_fits(model, None, config["data"])
-        except UserError as e:
-            what = str(e).split("; make them fit")[0]
-            raise UserError(f"ckpt_path={path}: {what}; its config is inconsistent") from e
-    return model, config
 
 
 def read(path: str) -> dict:

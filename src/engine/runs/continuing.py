@@ -25,7 +25,7 @@ def continue_command(path: str) -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from engine.cli import PROFILE
+    from engine.console import PROFILE
 
     resume = resume_override(path)
     started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))

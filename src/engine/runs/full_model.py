@@ -32,9 +32,33 @@ def _load_shards(model: Any, path: Path) -> None:
     model.load_state_dict(state[SHARDED_WEIGHTS])
 
 
+def load_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
+    """Rebuild the LightningModule from the run config stored in the checkpoint, with its weights loaded
+    unless the checkpoint is sharded (then the fsdp strategy loads them: trainer.test(ckpt_path=...))."""
+    p = checkpoints.check_readable(path)
+    ckpt = checkpoints.load(p)
+    config = checkpoints.run_config(p, ckpt)
+    checkpoints.check_buildable(config["model"], "model", kind="model", trusted=trusted)
+    state_dict = None if checkpoints.is_sharded(p) else ckpt.get("state_dict")
+    if not checkpoints.is_sharded(p) and not isinstance(state_dict, dict):
+        raise UserError(f"ckpt_path={path}: holds no weights (state_dict); it is not a checkpoint of a trained model")
+    model = checkpoints.build_model(config["model"], p, state_dict)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    if isinstance(config.get("data"), dict):  # a model and data that do not fit: one line, not a traceback later
+        from engine.contract import check_fits
+
+        try:
+            check_fits(model, None, config["data"])
+        except UserError as e:
+            what = str(e).split("; make them fit")[0]
+            raise UserError(f"ckpt_path={path}: {what}; its config is inconsistent") from e
+    return model, config
+
+
 def load_full_model(path: str, trusted: Sequence[str] = ()) -> tuple[Any, dict]:
     """(LightningModule in eval mode with its trained weights, the run config), through the safe loader."""
-    model, config = checkpoints.load_model(path, trusted)
+    model, config = load_model(path, trusted)
     p = Path(path).expanduser()
     if checkpoints.is_sharded(p):
         _load_shards(model, p)

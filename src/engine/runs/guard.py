@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from engine.cli import full_error
+from engine.console import full_error
 from engine.errors import UserError, exit_with, user_error_in
 from engine.launch import environment
 from engine.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints, make_writable

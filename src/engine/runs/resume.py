@@ -164,8 +164,7 @@ def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
                 f"ckpt_path={path} was trained with model.{key}={config['model'].get(key)}, this run has "
                 f"model.{key}={current.get(key)}: resume with the checkpoint's model config"
             )
-    if not _is_the_classifier(current):  # its arguments (besides the optimizer's, below) may be changed
-        _check_same_settings(path, config["model"], current)
+    _check_same_settings(path, config["model"], current)
     # Lightning restores the optimizer and scheduler states as saved (learning rate included): a changed setting
     # would be ignored while the new checkpoints recorded it. T_max follows max_epochs: schedule_length's to judge.
     for group in ("optimizer", "scheduler"):
@@ -183,26 +182,15 @@ def check_same_model(path: str, ckpt: dict, model_cfg: Any) -> None:
             )
 
 
-def _is_the_classifier(model_cfg: dict) -> bool:
-    """The template's ImageClassifier (or a subclass): its optimizer and scheduler are config groups of their own,
-    judged below; every other module's arguments may feed its configure_optimizers."""
-    from hydra.utils import get_class
-
-    from project.models.classifier import ImageClassifier
-
-    try:
-        return issubclass(get_class(str(model_cfg.get("_target_"))), ImageClassifier)
-    except Exception:  # not a class: the build says so later
-        return False
-
-
-_MAY_CHANGE = re.compile(r"model\.compile|model\.(optimizer|scheduler)\..*")  # judged below, T_max by its stretch
+# compile changes no weights; what a plateau schedule watches follows the run's monitor; the optimizer and scheduler
+# are judged by check_same_model, T_max by its stretch
+_MAY_CHANGE = re.compile(r"model\.(compile|monitor)|model\.(optimizer|scheduler)\..*")
 
 
 def _check_same_settings(path: str, saved: dict, wanted: dict) -> None:
-    """A module other than the classifier (the template's autoencoder, one of the user's): which of its arguments
-    feed configure_optimizers is its own business, and a resume restores the optimizer as saved, so a changed
-    learning rate was ignored while the new checkpoints recorded it. Every argument stays as it was."""
+    """Which of a module's arguments feed configure_optimizers is its own business (the template's autoencoder takes
+    its learning rate as one), and a resume restores the optimizer as saved, so a changed learning rate was ignored
+    while the new checkpoints recorded it. Every argument stays as it was."""
     saved_flat, wanted_flat = _flat(saved, "model"), _flat(wanted, "model")
     keys = [k for k in sorted(set(saved_flat) | set(wanted_flat)) if not _MAY_CHANGE.fullmatch(k)]
     changed = [k for k in keys if saved_flat.get(k) != wanted_flat.get(k)]

@@ -15,7 +15,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-from engine.cli import STOPPED_BY_A_SIGNAL
+from engine.console import STOPPED_BY_A_SIGNAL
 from engine.errors import say, unused_parameters_in, user_error_in_traceback
 from engine.launch.ranks import RankWatchingLauncher
 from engine.strategies import rendezvous
@@ -163,7 +163,7 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
                     signal.signal(number, handler)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        from engine.cli import ignore_known_warnings, lost_connection
+        from engine.console import ignore_known_warnings, lost_connection
         from engine.errors import run_log
         from engine.launch import worker_logs
 

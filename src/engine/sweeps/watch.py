@@ -73,11 +73,6 @@ def _watch(sweep: int, every_s: float) -> None:
 
 def _in_job() -> bool:
     """Whether the worker's main thread is running a job (inside engine.cli.run) rather than waiting for one."""
-    from engine.cli import run
+    from engine.errors import in_a_run
 
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    while frame is not None:
-        if frame.f_code is run.__code__:
-            return True
-        frame = frame.f_back
-    return False
+    return in_a_run()

@@ -10,6 +10,7 @@ from engine.config.schema import check_config
 from engine.errors import UserError
 from engine.runs import checkpoints
 from engine.runs.dirs import make_output_dirs
+from engine.runs.full_model import load_model
 from engine.runs.results import read_metrics, write_metrics
 from engine.sweeps import jobs as sweeps
 from engine.tasks.numerics import set_matmul_precision
@@ -40,7 +41,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     seed_run(cfg.seed)
     set_matmul_precision(cfg.float32_matmul_precision)
     path = checkpoints.check_readable(cfg.ckpt_path)
-    model, train_config = checkpoints.load_model(str(path), cfg.trusted_packages)
+    model, train_config = load_model(str(path), cfg.trusted_packages)
     build.check(cfg)
     make_output_dirs(cfg)
     data_config = _data_config(cfg, train_config)

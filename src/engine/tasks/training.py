@@ -63,7 +63,7 @@ def train(cfg: DictConfig) -> float | None:
         tune.apply(cfg, report)
         seed_run(cfg.seed)  # built again as `python train.py <override>` would build them
         datamodule, model = build.datamodule(cfg.data), build.model(cfg.model)
-    # Every checkpoint carries the plain run config (engine.runs.checkpoints.load_model rebuilds the model from it),
+    # Every checkpoint carries the plain run config (engine.runs.full_model.load_model rebuilds the model from it),
     # loadable with weights_only=True; the module's own hyperparameters stay its own.
     run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     monitor = Monitor(cfg.monitor.metric, cfg.monitor.mode)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.data.spec import InputSpec
 from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
 from engine.errors import UserError
 
@@ -73,6 +74,14 @@ class DigitsDataModule(TensorDataModule):
         if channels not in (1, 3):
             raise ValueError(f"channels={channels}: 1 (grey) or 3 (the grey digit in each of R, G, B)")
         self.val_size, self.test_size, self.split_seed, self.channels = val_size, test_size, split_seed, channels
+
+    @classmethod
+    def input_spec(cls, config: dict) -> InputSpec:
+        """What a model trained on this data takes: predict.py and export.py read it from a checkpoint."""
+        channels = config.get("channels", 1)
+        if channels not in (1, 3):
+            raise UserError(f"data.channels={channels!r}: the digits are grey (1) or grey in three channels (3)")
+        return InputSpec(channels, 28, 28, (MNIST_MEAN,) * channels, (MNIST_STD,) * channels)
 
     def prepare_data(self) -> None:
         mnist_5k_path()  # nothing to download: fail early, on rank 0, if the package is missing

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from engine.data.spec import InputSpec
 from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
 from engine.errors import UserError
 
@@ -43,6 +44,15 @@ class MNISTDataModule(TensorDataModule):
         self.dataset_cls = _dataset_class(dataset)
         self.data_dir = str(Path(data_dir).expanduser())
         self.download, self.val_size, self.split_seed = download, val_size, split_seed
+
+    @classmethod
+    def input_spec(cls, config: dict) -> InputSpec:
+        """What a model trained on this data takes: predict.py and export.py read it from a checkpoint."""
+        dataset = config.get("dataset", "MNIST")
+        if dataset not in STATS:
+            raise UserError(f"data.dataset={dataset!r}: not an MNIST-format data set this project knows")
+        mean, std = STATS[dataset]
+        return InputSpec(1, 28, 28, (mean,), (std,))
 
     def _fetch(self, train: bool, download: bool) -> Any:
         return self.dataset_cls(self.data_dir, train=train, download=download)
