@@ -4,8 +4,8 @@ Writes <run>/predictions.csv. See README.md."""
 import hydra
 from omegaconf import DictConfig
 
-from engine.cli import cli, run
 from engine.config import register
+from engine.entry import cli, run
 
 register()
 

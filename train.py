@@ -3,8 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from engine.cli import cli, run
 from engine.config import register
+from engine.entry import cli, run
 
 register()
 

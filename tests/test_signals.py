@@ -181,7 +181,7 @@ def test_sigterm_to_one_ddp_rank_during_the_test_stops_the_test(tmp_path):
 def test_ctrl_c_outside_a_run_is_one_line_and_exit_130():
     """Between a sequential sweep's jobs no run's handler is installed: Hydra's loop got a KeyboardInterrupt, and the
     sweep ended in a 49-line traceback."""
-    script = "from engine.cli import cli\n\ndef main():\n    raise KeyboardInterrupt\n\ncli(main)\n"
+    script = "from engine.entry import cli\n\ndef main():\n    raise KeyboardInterrupt\n\ncli(main)\n"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60)
     assert (proc.returncode, proc.stderr) == (130, "stopped by SIGINT\n")
 

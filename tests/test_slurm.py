@@ -349,7 +349,7 @@ def test_a_job_sbatch_refuses_is_one_line_naming_the_launcher_settings(tmp_path)
     the sweep dir stayed, holding .submitit/ alone."""
     from submitit.core.utils import FailedJobError
 
-    from engine.cli import _sbatch_refused
+    from engine.entry import _sbatch_refused
     from engine.runs import dirs
 
     refusal = FailedJobError(

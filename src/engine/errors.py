@@ -26,7 +26,7 @@ def exit_with(error: UserError) -> NoReturn:
     raise SystemExit(2)
 
 
-_in_a_run = False  # while engine.cli.run runs a task (run_log)
+_in_a_run = False  # while engine.entry.run runs a task (run_log)
 
 
 def say(line: str, console: bool = True) -> None:
@@ -59,13 +59,13 @@ def say(line: str, console: bool = True) -> None:
 
 
 def in_a_run() -> bool:
-    """Whether a task is running in this process (engine.cli.run), in whichever thread asks."""
+    """Whether a task is running in this process (engine.entry.run), in whichever thread asks."""
     return _in_a_run
 
 
 @contextmanager
 def run_log() -> Iterator[None]:
-    """While a task runs (engine.cli.run): what `say` says also goes to its log file. Not before or after it: a
+    """While a task runs (engine.entry.run): what `say` says also goes to its log file. Not before or after it: a
     sweep's own lines would land in the log of the job that ran last in the process."""
     global _in_a_run
     before, _in_a_run = _in_a_run, True

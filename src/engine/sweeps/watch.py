@@ -72,7 +72,7 @@ def _watch(sweep: int, every_s: float) -> None:
 
 
 def _in_job() -> bool:
-    """Whether the worker's main thread is running a job (inside engine.cli.run) rather than waiting for one."""
+    """Whether the worker's main thread is running a job (inside engine.entry.run) rather than waiting for one."""
     from engine.errors import in_a_run
 
     return in_a_run()

@@ -96,7 +96,7 @@ class ProjectOptunaSweeper(Sweeper):
         the_study = ACTIVE_STUDY = study.open_study(
             name, self.storage, self.direction, self.sampler_cfg, self.pruner_cfg
         )
-        # written once the storage has passed: a refused sweep leaves no sweep dir (engine.cli removes it)
+        # written once the storage has passed: a refused sweep leaves no sweep dir (engine.entry removes it)
         sweep_dir = Path(self._config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self._config, sweep_dir / "multirun.yaml")
