@@ -4,10 +4,7 @@ Writes <best>.onnx or <best>.pt2 beside the checkpoint. See README.md."""
 import hydra
 from omegaconf import DictConfig
 
-from engine.config import register
-from engine.entry import cli, run
-
-register()
+from engine import cli, run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")

@@ -4,15 +4,12 @@ Writes <run>/predictions.csv. See README.md."""
 import hydra
 from omegaconf import DictConfig
 
-from engine.config import register
-from engine.entry import cli, run
-
-register()
+from engine import cli, run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="predict")
 def main(cfg: DictConfig) -> object:
-    return run("engine.tasks.prediction:predict", cfg)  # torch and Lightning load only once a run really starts
+    return run("project.tasks:predict", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

@@ -3,15 +3,12 @@
 import hydra
 from omegaconf import DictConfig
 
-from engine.config import register
-from engine.entry import cli, run
-
-register()
+from engine import cli, run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    return run("engine.tasks.training:train", cfg)  # torch and Lightning load only once a run really starts
+    return run("project.tasks:train", cfg)  # torch and Lightning load only once a run really starts
 
 
 if __name__ == "__main__":

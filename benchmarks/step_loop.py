@@ -8,7 +8,7 @@ Three loops, in interleaved rounds, one fit of each per round, in this process:
 - bare LightningModule: the same step in Lightning, with no logger, no callbacks, no progress bar, no metrics, and
   Lightning's NVML-based CUDA check, which without a GPU costs every optimizer step a failed library lookup (also
   timed without it: "bare, no NVML check", what the template sets when no GPU is visible);
-- this template: `engine.tasks.training.train` on the composed config (metrics, logging, progress bar,
+- this template: `project.tasks.train` on the composed config (metrics, logging, progress bar,
   checkpoints, TensorBoard), as `python train.py` would run it, with benchmarks/epoch_timer.py added.
 The first epoch of every fit (set-up, sanity check, allocator warm-up) and the last (the fit's end: the template
 draws the figures it held back, agrees once more and waits for its checkpoint writer; bare Lightning has less to
@@ -53,7 +53,7 @@ from torch import nn
 
 from engine.config import register
 from engine.launch.devices import NVML_CHECK
-from engine.tasks.training import train
+from project.tasks import train
 
 MLP = ["model=mlp", "model.net.hidden=[64,128,64]"]
 MNIST_SIZED = 16  # 16 x 3,500 = 56,000 training digits, MNIST's 55,000 after its validation split

@@ -297,16 +297,15 @@ class GradModeProbe(L.Callback):
 
 
 class SignalHandlers(L.Callback):
-    """Writes $PROBE_DIR/handlers_<job>.txt at setup, before the template's own are installed: who handles SIGINT
-    and SIGTERM as a sweep's job starts (what the job before it left)."""
+    """Writes $PROBE_DIR/handlers_<job>.txt when it is built, as the job starts, before the template's own handlers are
+    installed: who handles SIGINT and SIGTERM as a sweep's job starts (what the job before it left)."""
 
-    def setup(self, trainer, pl_module, stage) -> None:
+    def __init__(self) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        if stage == "fit":
-            found = [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)]
-            names = [getattr(handler, "__qualname__", repr(handler)) for handler in found]
-            (probe_dir() / f"handlers_{HydraConfig.get().job.num}.txt").write_text(" ".join(names))
+        found = [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)]
+        names = [getattr(handler, "__qualname__", repr(handler)) for handler in found]
+        (probe_dir() / f"handlers_{HydraConfig.get().job.num}.txt").write_text(" ".join(names))
 
 
 class MistakeAt(L.Callback):

@@ -12,7 +12,7 @@ from engine.errors import UserError
 def test_the_best_checkpoint_still_saves_every_n_train_steps_when_asked(make_cfg, tmp_path):
     """BestCheckpoint skips Lightning's per-step look at the trainer unless every_n_train_steps (or
     train_time_interval) asks for saves within epochs: then they are made, for a user's module too."""
-    from engine.tasks.training import train
+    from project.tasks import train
 
     cfg = make_cfg(
         *LIT_AUTOENCODER,
@@ -40,7 +40,7 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     from engine.runs import atomic_io
-    from engine.tasks.training import train
+    from project.tasks import train
 
     dumps = []
     dump = _CheckpointConnector.dump_checkpoint
@@ -63,7 +63,7 @@ def test_an_epochs_best_file_and_last_ckpt_are_collected_and_serialized_once(mak
 def test_a_file_url_for_a_folder_is_one_line_naming_the_path_and_nothing_is_written(make_cfg, tmp_path, monkeypatch):
     """Lightning takes a `file://` dirpath for a path relative to the working directory: the files went to
     ./file:/<path>, where no check looked for another run's checkpoints. A `file:` URL is refused at start."""
-    from engine.tasks.training import train
+    from project.tasks import train
 
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "elsewhere" / "ckpts"
@@ -84,7 +84,7 @@ def test_the_metrics_a_checkpoint_callback_decides_on_are_cloned_not_deep_copied
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from engine.callbacks.checkpoint import BestCheckpoint, LastCheckpoint
-    from engine.tasks.training import train
+    from project.tasks import train
 
     seen = []
 

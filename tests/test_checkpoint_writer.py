@@ -286,7 +286,7 @@ def test_a_fit_of_a_users_module_writes_its_checkpoints_in_the_background(make_c
     import threading
 
     from engine.runs import atomic_io
-    from engine.tasks.training import train
+    from project.tasks import train
 
     written = []
     replace = atomic_io.os.replace

@@ -69,7 +69,7 @@ BAD_INPUTS = [
     ("train.py", ["precision=inf"], "precision=inf: precision is a config group, which takes the name of an option"),
     ("train.py", ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0: must be at least 1"),
     ("train.py", ["model.compile=nonsense"], "compile='nonsense' is not a torch.compile backend"),
-    ("train.py", ["model.net.hidden=0"], "model: ValueError: widths must be >= 1"),
+    ("train.py", ["model.net.hidden=0"], "model.net: ValueError: widths must be >= 1"),
     ("train.py", ["logger.tensorboard.flush_secs=0"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["logger.tensorboard.flush_secs=true"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["logger.tensorboard.flush_secs=1e-9"], "flush_secs must be a number of seconds from 0.1 to 1e7"),

@@ -8,7 +8,7 @@ from user_models import LIT_AUTOENCODER
 
 from engine import build
 from engine.callbacks.dispatch import PER_BATCH_HOOKS, QuietProfiler
-from engine.tasks.training import train
+from project.tasks import train
 
 TRAIN_BATCHES, VAL_BATCHES = 3, 2
 

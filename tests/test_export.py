@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_dirs
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from engine import build
 from engine.data.tensors import normalize, split
 from engine.tasks.export import export
 from project.data.digits import MNIST_MEAN, MNIST_STD, read_mnist_5k
@@ -44,7 +44,7 @@ def test_pixels() -> torch.Tensor:
 
 def _checkpoint(make_cfg, folder: Path, net: str):
     cfg = make_cfg(f"model={net}")
-    module = build.model(cfg.model).eval()
+    module = instantiate(cfg.model).eval()
     folder.mkdir()
     path = folder / "epoch_001.ckpt"
     torch.save({"hyper_parameters": OmegaConf.to_container(cfg, resolve=True), "state_dict": module.state_dict()}, path)

@@ -186,7 +186,7 @@ def test_a_divergence_names_the_last_good_checkpoint_where_the_callbacks_write(t
     args = [
         *RUN[:-2],
         "+callbacks.probe._target_=probes.NanGradientAt",
-        "checks.every_n_steps=1000",
+        "callbacks.run_checks.every_n_steps=1000",
         f"callbacks.model_checkpoint.dirpath={elsewhere}",
         f"callbacks.last_checkpoint.dirpath={elsewhere}",
     ]

@@ -20,9 +20,9 @@ from user_models import ResidualNet
 
 from engine.strategies.dp import DataParallelStrategy
 from engine.strategies.pipe import PipeStrategy
-from engine.tasks.training import train
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ImageClassifier
+from project.tasks import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -84,7 +84,7 @@ def test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements(cli, 
         "trainer.max_epochs=1",
         "+trainer.limit_train_batches=23",
         "test=false",
-        f"checks.every_n_steps={EVERY}",
+        f"callbacks.run_checks.every_n_steps={EVERY}",
         "+callbacks.sync._target_=sync_counter.SyncCounter",
         env={"PROBE_DIR": str(probe)},
         cold=True,

@@ -111,3 +111,37 @@ def test_no_module_imports_in_a_circle() -> None:
 def test_no_engine_module_imports_one_of_a_higher_layer(module: str) -> None:
     higher = [d for d in GRAPH[module] if not d.startswith("project") and _layer(d) > _layer(module)]
     assert not higher, f"{module} (layer {_layer(module)}) imports {higher}"
+
+
+def _engine_imports_of(module: str) -> list[str]:
+    """What a module imports from the engine, as written: `engine` (its public API) or a module path inside it."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "engine":
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.split(".")[0] == "engine"]
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] == "project"))
+def test_the_project_uses_the_engine_through_its_public_api_only(module: str) -> None:
+    import engine
+
+    inside = [name for name in _engine_imports_of(module) if name != "engine"]
+    assert not inside, f"{module} imports {inside}: import what it needs from `engine` (engine.__all__)"
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "engine":
+            assert {a.name for a in node.names} <= set(engine.__all__)
+
+
+def test_every_public_name_of_the_engine_loads_and_importing_it_loads_no_torch() -> None:
+    import subprocess
+    import sys
+
+    import engine
+
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None
+    probe = "import sys, engine; assert 'torch' not in sys.modules and 'lightning' not in sys.modules"
+    subprocess.run([sys.executable, "-c", probe], check=True)

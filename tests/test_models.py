@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from hydra.utils import instantiate
 
-from engine.tasks.training import train
 from project.models.lenet import LeNet
 from project.models.mlp import MLP
 from project.models.resnet import ResNet18
+from project.tasks import train
 
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 
@@ -56,12 +57,11 @@ def test_seed_zero_is_a_seed(make_cfg, tmp_path):
 def test_a_checkpoint_of_each_model_rebuilds_through_the_safe_loader(make_cfg, tmp_path, model):
     from omegaconf import OmegaConf
 
-    from engine import build
     from engine.runs.full_model import load_model
 
     # as a run would be: torchvision's nets take three channels (a checkpoint whose data does not fit is refused)
     cfg = make_cfg(f"model={model}", *(["data.channels=3"] if model == "torchvision" else []))
-    module = build.model(cfg.model)
+    module = instantiate(cfg.model)
     path = tmp_path / "model.ckpt"
     torch.save({"run_config": OmegaConf.to_container(cfg, resolve=True), "state_dict": module.state_dict()}, path)
     loaded, _ = load_model(str(path))

@@ -43,7 +43,7 @@ COMMON = [
     "data.test_size=4290",
     "trainer.gradient_clip_val=0.5",
     "trainer.accumulate_grad_batches=2",
-    "callbacks=model_checkpoint",
+    "callbacks=checkpoints",
     "+callbacks.probe._target_=pipeline_probes.StepProbe",
     "logger=csv",
     "test=false",
@@ -274,7 +274,7 @@ def test_the_config_builds_the_strategy_and_names_mistyped_options(make_cfg) -> 
     assert isinstance(trainer.strategy, PipelineStrategy) and trainer.strategy.schedule == "1f1b"
     assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)  # launched like ddp: sweeps, torchrun
     with pytest.raises(UserError, match="did you mean 'micro_batches'"):
-        build.trainer(make_cfg("trainer=pipeline", "+trainer.strategy.micro_batch=2").trainer, [], [])
+        build.check(make_cfg("trainer=pipeline", "+trainer.strategy.micro_batch=2"))
     with pytest.raises(UserError, match="schedule='zero_bubble'"):
         build.trainer(make_cfg("trainer=pipeline", "trainer.strategy.schedule=zero_bubble").trainer, [], [])
 

@@ -57,7 +57,7 @@ def test_a_resumed_run_reads_its_checkpoint_once(make_cfg, tmp_path, monkeypatch
     """One CRC pass and one load, for every check before the run and for Lightning's restore."""
     import zipfile
 
-    from engine.tasks.training import train
+    from project.tasks import train
 
     first = make_cfg("model=mlp", "profile=tiny", "trainer.max_epochs=1", "logger=none")
     train(first)

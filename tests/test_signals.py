@@ -68,7 +68,8 @@ def test_a_signal_found_on_an_epochs_last_batch_waits_for_its_validation_and_che
     """An agreement on an epoch's last batch comes before that epoch's validation: stopping there saved a last.ckpt
     from which a resume skips the validation (the epoch never competed for the best file). The signal now waits for
     the epoch's end, as one found during validation does."""
-    run_args = [*RUN, "checks.every_n_steps=8"]  # the agreement lands on the last of the epoch's 8 batches
+    # the agreement lands on the last of the epoch's 8 batches
+    run_args = [*RUN, "callbacks.run_checks.every_n_steps=8"]
     stopped = train(tmp_path / "work", *run_args, env={"KILL_AT_STEP": "7", "KILL_SIGNAL": "SIGTERM"}, check=False)
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     (line,) = [line for line in stopped.stderr.splitlines() if line.strip()]

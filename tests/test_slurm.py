@@ -162,7 +162,7 @@ RUN = [
     "test=false",
     "logger=none",
     "callbacks.last_checkpoint.every_n_steps=1",
-    "checks.every_n_steps=1",  # a signal stops the ranks at the next step
+    "callbacks.run_checks.every_n_steps=1",  # a signal stops the ranks at the next step
     "+callbacks.shards._target_=probes.ShardProbe",
     "+callbacks.pace._target_=probes.KillAt",
 ]

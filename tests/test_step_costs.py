@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from conftest import run_dirs
+from lightning.pytorch import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from user_models import LIT_AUTOENCODER
 
@@ -41,7 +42,7 @@ def test_a_ddp_step_makes_no_collective_and_no_host_sync_of_the_templates_betwee
         "trainer.max_epochs=1",
         "+trainer.limit_train_batches=23",
         "test=false",
-        f"checks.every_n_steps={EVERY}",
+        f"callbacks.run_checks.every_n_steps={EVERY}",
         "+callbacks.sync._target_=sync_counter.SyncCounter",
         env={"PROBE_DIR": str(probe)},
     )
@@ -65,7 +66,7 @@ def test_a_save_right_after_an_agreement_does_not_agree_again(make_cfg, monkeypa
     same weights and losses: at an epoch's end they agree once (signals too), and the best and last saves right
     after do not agree again (they did, 3 agreements in all). A save after more steps agrees again."""
     from engine.callbacks.checks import RunChecks
-    from engine.tasks.training import train
+    from project.tasks import train
 
     agreed = collections.Counter()
     original = RunChecks._agree
@@ -81,7 +82,7 @@ def test_a_save_right_after_an_agreement_does_not_agree_again(make_cfg, monkeypa
         "trainer.accelerator=cpu",
         "trainer.max_epochs=2",
         f"+trainer.limit_train_batches={steps}",
-        "checks.every_n_steps=1000",
+        "callbacks.run_checks.every_n_steps=1000",
         "callbacks.last_checkpoint.every_n_steps=3",
         "test=false",
     )
@@ -243,41 +244,42 @@ def test_finite_fp16_weights_whose_norm_fp16_cannot_hold_are_not_a_divergence():
     assert checks._agreed_at == 5
 
 
-def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(make_cfg, monkeypatch):
+class NvmlCount(Callback):
+    """Counts NVML lookups during training (NVML_LOOKS)."""
+
+    def on_train_start(self, trainer, pl_module):
+        import torch
+
+        self.original = torch.cuda._raw_device_count_nvml
+        torch.cuda._raw_device_count_nvml = lambda: NVML_LOOKS.append(1) or self.original()
+
+    def on_train_end(self, trainer, pl_module):
+        import torch
+
+        torch.cuda._raw_device_count_nvml = self.original
+
+
+NVML_LOOKS: list[int] = []
+
+
+def test_on_a_machine_without_a_gpu_an_optimizer_step_does_not_look_for_nvml(make_cfg):
     """Lightning makes every torch.cuda.is_available() ask NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1, set when it is
     imported), and torch's optimizers ask on every step: without a GPU nothing caches the answer, and each step tried
     to load the NVML library again (40-200 µs a step here). A user's own LightningModule, fitted through train()."""
     import torch
-    from lightning.pytorch import Callback
 
-    from engine.tasks.training import train
+    from project.tasks import train
 
     if torch.cuda.device_count():
         pytest.skip("a GPU is visible: the NVML check answers once CUDA is initialized")
-    looked: list[int] = []
-    original = torch.cuda._raw_device_count_nvml
-
-    class Count(Callback):
-        def on_train_start(self, trainer, pl_module):
-            monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: looked.append(1) or original())
-
-        def on_train_end(self, trainer, pl_module):
-            monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", original)
-
-    monkeypatch.setattr("engine.build._how_a_run_ends", _with(Count()))
+    NVML_LOOKS.clear()
     cfg = make_cfg(
         *LIT_AUTOENCODER,
+        "+callbacks.nvml_count._target_=test_step_costs.NvmlCount",
         "trainer.accelerator=cpu",
         "trainer.max_epochs=1",
         "+trainer.limit_train_batches=6",
         "test=false",
     )
     train(cfg)
-    assert looked == []
-
-
-def _with(extra):
-    import engine.build
-
-    original = engine.build._how_a_run_ends
-    return lambda *args: [*original(*args), extra]
+    assert NVML_LOOKS == []

@@ -175,7 +175,7 @@ def test_a_run_stopped_by_a_signal_before_any_checkpoint_keeps_the_scalars_it_lo
         "model=mlp",
         "+trainer.limit_train_batches=8",
         "trainer.log_every_n_steps=1",
-        "checks.every_n_steps=1",
+        "callbacks.run_checks.every_n_steps=1",
         "test=false",
         "+callbacks.probe._target_=probes.KillAt",
         env={"KILL_AT_STEP": "5", "KILL_SIGNAL": "SIGTERM"},  # mid epoch 0: nothing saved before the stop's own

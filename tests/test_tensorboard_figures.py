@@ -20,7 +20,7 @@ def test_figures_are_drawn_with_no_torch_op_in_their_thread(make_cfg, monkeypatc
     from torch.overrides import TorchFunctionMode
 
     import engine.callbacks.tensorboard as insights
-    from engine.tasks.training import train
+    from project.tasks import train
 
     calls: list[str] = []
 
@@ -65,7 +65,7 @@ def test_figures_come_at_most_every_min_interval_and_always_for_the_last_epoch(m
     epoch."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from engine.tasks.training import train
+    from project.tasks import train
 
     interval_s = f"callbacks.tensorboard.min_interval_s={interval}"
     cfg = make_cfg("profile=tiny", "model=mlp", "test=false", "trainer.max_epochs=3", interval_s)
@@ -102,8 +102,7 @@ def test_an_evaluation_draws_the_test_sets_figures_for_a_users_net(make_cfg, tmp
     classifier's test_step returns) at the step of its test scalars; here with a net written as users write them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from engine.tasks.evaluation import evaluate
-    from engine.tasks.training import train
+    from project.tasks import evaluate, train
 
     user_net = ("~model.net", "+model.net._target_=user_models.TutorialCNN")
     train(make_cfg("profile=tiny", *user_net, "logger=none", "test=false"))
@@ -162,7 +161,7 @@ def test_the_graph_is_traced_once_without_torchs_trace_check(make_cfg, monkeypat
     import torch.jit._trace as tracing
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from engine.tasks.training import train
+    from project.tasks import train
 
     checks: list[str] = []
     check = tracing._check_trace

@@ -6,10 +6,11 @@ import sys
 import pytest
 import torch
 from conftest import REPO, cli_env, run_dirs, run_python, tensorboard_scalars
+from hydra.utils import instantiate
 
 from engine import build
 from engine.errors import UserError
-from engine.tasks.training import train
+from project.tasks import train
 
 
 def test_bf16_mixed_computes_in_bfloat16_on_cpu(make_cfg, tmp_path):
@@ -37,7 +38,7 @@ def test_fp16_mixed_without_cuda_is_refused_not_swapped_for_bf16(make_cfg):
 
 def test_compile_compiles_the_forward_in_place(make_cfg, tmp_path):
     cfg = make_cfg("model=mlp", "model.compile=eager", "debug=fdr", "trainer.accelerator=cpu")
-    model = build.model(cfg.model)
+    model = instantiate(cfg.model)
     keys = set(model.state_dict())
     model.configure_model()
     assert model.net._compiled_call_impl is not None

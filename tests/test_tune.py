@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, WARM, cli_env, run_dirs
+from hydra.utils import instantiate
 
-from engine import build
 from engine.errors import UserError
 from engine.tasks import tune
 from engine.tasks.seeding import seed_run
@@ -109,7 +109,7 @@ def test_the_finders_give_the_weights_back_and_leave_only_their_report(make_cfg,
     scratch checkpoint; the weights after are those before, bit for bit, and the checkpoint is gone."""
     cfg = make_cfg("profile=tiny", f"tune={mode}", *USER_NET)
     seed_run(cfg.seed)
-    model, datamodule = build.model(cfg.model), build.datamodule(cfg.data)
+    model, datamodule = instantiate(cfg.model), instantiate(cfg.data)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     report = tune.find(cfg, model, datamodule, tmp_path / "out")
     if mode == "lr":  # it did train: 100 steps, a loss that moved
@@ -147,7 +147,7 @@ def test_a_module_that_hard_codes_its_lr_is_told_which_key_to_give_it(make_cfg, 
     with pytest.raises(UserError, match=r"^tune=lr: none of model.optimizer.lr, model.lr, .* set tune.key="):
         tune.check(make_cfg("profile=tiny", "tune=lr", *lit))
     cfg = make_cfg("profile=tiny", "tune=lr", *lit, "tune.key=model.hidden")
-    model, datamodule = build.model(cfg.model), build.datamodule(cfg.data)
+    model, datamodule = instantiate(cfg.model), instantiate(cfg.data)
     with pytest.raises(UserError) as refused:
         tune.find(cfg, model, datamodule, tmp_path / "out")
     assert str(refused.value).startswith(

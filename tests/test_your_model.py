@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_dirs
+from hydra.utils import instantiate
 
 from project.data.digit_images import write_digit_images
 
@@ -147,11 +148,11 @@ def test_a_net_outside_the_classifiers_contract_is_refused_at_start(make_cfg, ne
     train.py makes before anything else is built (a UserError there is one line, exit 2, no run dir: test_cli)."""
     from omegaconf import OmegaConf
 
-    from engine import build, contract
+    from engine import contract
     from engine.errors import UserError
 
     cfg = make_cfg("model=tiny_cnn", f"model.net._target_=user_models.{net}", "~model.net.width")
-    datamodule, model = build.datamodule(cfg.data), build.model(cfg.model)
+    datamodule, model = instantiate(cfg.data), instantiate(cfg.model)
     with pytest.raises(UserError) as refused:
         contract.check(model, datamodule, test=cfg.test, train=cfg.train)
         contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))

@@ -181,17 +181,24 @@ def _first_step(scheduler: Any, optimizer: Any, node: DictConfig, where: str) ->
 
 
 def instantiate(node: DictConfig, where: str, **kwargs: Any) -> Any:
-    """hydra.utils.instantiate with the option checks first and Hydra's multi-line errors folded into one."""
-    check_options(node, where)
-    _check_factories(node, where)
+    """hydra.utils.instantiate of a node `check` has passed, with Hydra's multi-line errors folded into one."""
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as e:
-        cause = e.__cause__ if e.__cause__ is not None else e
-        if isinstance(cause, UserError):  # already one line that names the fix (a strategy's own checks)
-            raise cause from e
-        message = " ".join(str(cause).split())
-        raise UserError(f"{where}: {type(cause).__name__}: {message}") from e
+        raise one_line(e, where) from e
+
+
+def one_line(error: InstantiationException, where: str | None = None) -> UserError:
+    """What a target refused while Hydra built it (`data: ValueError: val_size + test_size must ...`), in one line;
+    where it was in the config, from Hydra's own message when not given."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    if isinstance(cause, UserError):  # already one line that names the fix (a strategy's own checks)
+        return cause
+    if where is None:
+        found = [line.split("full_key:", 1)[1].strip() for line in str(error).splitlines() if "full_key:" in line]
+        where = found[-1] if found else "config"
+    message = " ".join(str(cause).split("full_key:")[0].split())
+    return UserError(f"{where}: {type(cause).__name__}: {message}")
 
 
 def check(cfg: DictConfig) -> None:
@@ -201,16 +208,6 @@ def check(cfg: DictConfig) -> None:
         if cfg.get(group) is not None:
             check_options(cfg[group], group)
             _check_factories(cfg[group], group)
-
-
-def datamodule(cfg: DictConfig) -> Any:
-    """The LightningDataModule of `data`."""
-    return instantiate(cfg, "data")
-
-
-def model(cfg: DictConfig) -> Any:
-    """The LightningModule of `model`, its net, optimizer and scheduler factories inside."""
-    return instantiate(cfg, "model")
 
 
 def named(cfg: DictConfig | None, group: str) -> list[Any]:
@@ -261,10 +258,10 @@ def trainer(
     callbacks: list[Any],
     loggers: list[Any],
     launch: Any = None,
-    checks_every_n_steps: int = 20,
     run_config: dict[str, Any] | None = None,
 ) -> Any:
-    """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do."""
+    """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do. The run
+    config goes into every checkpoint through the RunState callback (conf/callbacks/run_state.yaml), if listed."""
     import engine.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
     from engine.callbacks.dispatch import skip_unused_hooks
     from engine.loggers.logged_values import skip_needless_moves
@@ -273,7 +270,8 @@ def trainer(
     _check_accelerator(cfg)
 
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
-    callbacks = _callbacks_for(callbacks, loggers) + _how_a_run_ends(checks_every_n_steps, run_config)
+    callbacks = _callbacks_for(callbacks, loggers)
+    _hand_run_config(callbacks, run_config)
     overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks), **_profiler(cfg)}
     from engine.console import ignore_known_warnings
 
@@ -329,32 +327,26 @@ def _fsdp_by_name(cfg: DictConfig) -> dict[str, Any]:
     return {"strategy": FSDPStrategy()}
 
 
-def _how_a_run_ends(checks_every_n_steps: int, run_config: dict[str, Any] | None) -> list[Any]:
-    """On every run, whatever `callbacks=` says: they decide how a run stops and continues, not what it records.
-    A signal saves and exits 143 (not 0); a run that diverged stops and never writes a checkpoint after it
-    (engine.callbacks.checks); checkpoints carry the run config and every rank's random state, so a resumed run
-    draws what the unbroken one would have (engine.callbacks.run_state)."""
-    from engine.callbacks.checks import RunChecks
+def _hand_run_config(callbacks: list[Any], run_config: dict[str, Any] | None) -> None:
+    """Checkpoints carry the plain run config, from which eval, predict, export and a resume rebuild the model."""
     from engine.callbacks.run_state import RunState
 
-    return [RunChecks(checks_every_n_steps), RunState(run_config)]
+    for callback in callbacks:
+        if isinstance(callback, RunState) and run_config is not None:
+            callback.config = run_config
 
 
 def _plugins(cfg: DictConfig) -> dict[str, Any]:
-    """Checkpoints written atomically (engine.runs.atomic_io). Under submitit, submitit requeues (its USR2
-    handler resubmits the job, which resumes from <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1
-    requeue is switched off."""
+    """Under submitit, submitit requeues (its USR2 handler resubmits the job, which resumes from
+    <run>/checkpoints/last.ckpt), so Lightning's own SIGUSR1 requeue is switched off beside the config's plugins."""
     from engine.launch import environment
-    from engine.runs.atomic_io import AtomicCheckpointIO
 
-    if cfg.get("plugins"):
+    if not environment.under_submitit():
         return {}
-    plugins: list[Any] = [AtomicCheckpointIO()]
-    if environment.under_submitit():
-        from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-        plugins.append(SLURMEnvironment(auto_requeue=False))
-    return {"plugins": plugins}
+    plugins = [hydra.utils.instantiate(node) for node in cfg.get("plugins") or []]
+    return {"plugins": [*plugins, SLURMEnvironment(auto_requeue=False)]}
 
 
 def _check_precision(cfg: DictConfig, built: Any) -> None:

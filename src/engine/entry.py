@@ -24,6 +24,7 @@ from engine.console import (
     one_console_output,
 )
 from engine.errors import (
+    RunEnded,
     UserError,
     disk_error_in,
     exit_with,
@@ -107,6 +108,9 @@ def _with_profile(argv: list[str]) -> list[str]:
 
 def cli(hydra_main: Callable[[], Any]) -> None:
     """Run a @hydra.main function so that mistakes print one line and exit 2 (not 7 lines and 1)."""
+    from engine.config import register
+
+    register()  # the typed schemas and resolvers conf/ uses, before Hydra composes anything
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
@@ -208,6 +212,17 @@ def _lost_rank(error: BaseException) -> str | None:
     return line
 
 
+def _instantiation_error_in(error: BaseException) -> UserError | None:
+    """A target that refused its arguments while the task built it with hydra.utils.instantiate: one line."""
+    from hydra.errors import InstantiationException
+
+    if not isinstance(error, InstantiationException):
+        return None
+    from engine.build import one_line
+
+    return one_line(error)
+
+
 def _task(name: str) -> Callable[[DictConfig], Any]:
     """`module:function`, imported only now: torch and Lightning load once the config has passed its checks."""
     import importlib
@@ -252,10 +267,12 @@ def run(task: str, cfg: DictConfig) -> Any:
             function = _task(task)
             one_console_output()
             return function(cfg)
+        except RunEnded as ended:
+            return ended.value
         except Exception as e:
             if full_error():
                 raise
-            e = missing_compile_backend_in(e) or unused_parameters_in(e) or e
+            e = _instantiation_error_in(e) or missing_compile_backend_in(e) or unused_parameters_in(e) or e
             if hc.mode == RunMode.MULTIRUN:
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None

@@ -19,6 +19,16 @@ class UserError(Exception):
         super().__init__(message)
 
 
+class RunEnded(BaseException):
+    """The run is over before its task's end, with `value` as its result: a tune run that only reports what it found,
+    or a sweep job that ran as a process of its own (engine.tasks). Caught by engine.entry.run; a BaseException, so a
+    task's `except Exception` does not take it for a failure."""
+
+    def __init__(self, value: object = None) -> None:
+        super().__init__(value)
+        self.value = value
+
+
 def exit_with(error: UserError) -> NoReturn:
     """`error: <message>` on stderr and exit code 2: how every refused run ends. SystemExit, unlike an
     exception, also passes through code that turns exceptions into warnings (Hydra's callbacks)."""

@@ -17,7 +17,7 @@ a copy where the filesystem has none) instead of collecting and serializing the 
 holds the training thread 1.3 ms instead of 2.5, benchmarks/per_call.py, and Lightning's collection of the state,
 about 1 ms timed by hand, is saved too; a ResNet-18 save holds it 154 ms), and the on_save_checkpoint hooks run
 once. Only when nothing can run between the two saves: the best callback comes right before last.ckpt's in the
-callback list (as in conf/callbacks/model_checkpoint.yaml) and saved in the same hook call, with the same
+callback list (as in conf/callbacks/checkpoints.yaml) and saved in the same hook call, with the same
 `save_weights_only`, to single local files.
 """
 

@@ -40,15 +40,6 @@ class LaunchConfig:
 
 
 @dataclass
-class ChecksConfig:
-    """How often the ranks agree whether the run diverged or was signalled (engine.callbacks.checks): the one
-    collective and host sync of those checks; a stop comes at most this many steps after its cause, and always
-    before a checkpoint is written."""
-
-    every_n_steps: int = 20
-
-
-@dataclass
 class MonitorConfig:
     """The metric that judges a run: best checkpoint, early stopping, sweeps, Optuna, the plateau scheduler."""
 
@@ -98,7 +89,6 @@ class TrainConfig(RunConfig):
     ckpt_path: Optional[str] = None
     stretch_schedule: bool = False
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    checks: ChecksConfig = field(default_factory=ChecksConfig)
     optimized_metric: Optional[str] = None  # None: the best value of monitor.metric
     data: Any = MISSING
     model: Any = MISSING
@@ -124,6 +114,7 @@ class PredictConfig(RunConfig):
     resize: bool = True  # images of another size: resized to the model's (false: refused)
     batch_size: int = 256
     num_workers: int = 0
+    callbacks: Any = field(default_factory=dict)
 
 
 @dataclass
@@ -177,9 +168,6 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(
             f"float32_matmul_precision={cfg.float32_matmul_precision}: one of {', '.join(MATMUL_PRECISIONS)}"
         )
-    checks = cfg.get("checks")
-    if checks is not None and checks.every_n_steps < 1:
-        raise UserError(f"checks.every_n_steps={checks.every_n_steps}: must be at least 1")
     monitor = cfg.get("monitor")
     if monitor is not None and monitor.mode not in MONITOR_MODES:
         raise UserError(f"monitor.mode={monitor.mode}: max (higher is better) or min (lower is better)")

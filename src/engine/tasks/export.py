@@ -15,7 +15,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from engine.config.schema import check_config
 from engine.errors import UserError
 from engine.runs import checkpoints
 from engine.runs.atomic_io import write_file
@@ -135,7 +134,6 @@ def export(cfg: DictConfig) -> Path:
     from engine.runs.full_model import load_full_model
     from engine.tasks.prediction import class_names, input_spec_of
 
-    check_config(cfg)
     if cfg.format not in SUFFIXES:
         raise UserError(f"format={cfg.format}: one of {', '.join(SUFFIXES)}")
     seed_run(cfg.seed)

@@ -9,8 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from engine import build
-from engine.config.schema import check_config
-from engine.errors import UserError
+from engine.errors import RunEnded, UserError
 from engine.runs.dirs import make_output_dirs
 from engine.sweeps import jobs as sweeps
 from engine.tasks.numerics import set_matmul_precision
@@ -58,41 +57,57 @@ def _predict_on_images(model: Any) -> None:
         model.predict_step = functools.partial(_forward_on_images, model)
 
 
-def predict(cfg: DictConfig) -> Path:
-    """Returns the run directory, which holds predictions.pt (and predictions.csv), written by rank 0."""
-    check_config(cfg)
-    if cfg.batch_size < 1 or cfg.num_workers < 0:
-        raise UserError(f"batch_size={cfg.batch_size}, num_workers={cfg.num_workers}: need >= 1 and >= 0")
-    if not Path(cfg.input).expanduser().exists():  # before the checkpoint is read: the cheap mistake first
-        raise UserError(f"input={cfg.input}: no such file or folder; pass a folder of images, an image or an IDX file")
-    from torch.utils.data import DataLoader
+class PredictRun:
+    """`model`: the checkpoint's LightningModule with all its weights (a sharded checkpoint's gathered), in eval mode;
+    `inputs`: what `input=` names, read as the model's training data was."""
 
-    from engine.callbacks.predictions import PredictionsWriter
-    from engine.data.inputs import PredictInputs
-    from engine.runs.full_model import load_full_model
+    def __init__(self, cfg: DictConfig) -> None:
+        if cfg.batch_size < 1 or cfg.num_workers < 0:
+            raise UserError(f"batch_size={cfg.batch_size}, num_workers={cfg.num_workers}: need >= 1 and >= 0")
+        if not Path(cfg.input).expanduser().exists():  # before the checkpoint is read: the cheap mistake first
+            raise UserError(
+                f"input={cfg.input}: no such file or folder; pass a folder of images, an image or an IDX file"
+            )
+        from engine.data.inputs import PredictInputs
+        from engine.runs.full_model import load_full_model
 
-    seed_run(cfg.seed)
-    set_matmul_precision(cfg.float32_matmul_precision)
-    model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
-    _predict_on_images(model)
-    inputs = PredictInputs(cfg.input, input_spec_of(model, train_config, cfg), resize=cfg.resize)
-    classes = class_names(model, cfg.ckpt_path, train_config)
-    build.check(cfg)
-    make_output_dirs(cfg)
-    output = Path(cfg.paths.output_dir)
-    trainer = build.trainer(cfg.trainer, [PredictionsWriter(output, inputs.names, classes)], [], cfg.launch)
-    if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
-        sweeps.run_job_in_fresh_process(None)
-        return output
-    loader = DataLoader(
-        inputs,
-        batch_size=cfg.batch_size,
-        shuffle=False,
-        num_workers=cfg.num_workers,
-        persistent_workers=False,
-        pin_memory=trainer.strategy.root_device.type == "cuda",
-    )
-    trainer.predict(model, dataloaders=loader, return_predictions=False)
-    if trainer.is_global_zero:
-        log.info("Predicted %d inputs into %s", len(inputs), output)
-    return output
+        seed_run(cfg.seed)
+        set_matmul_precision(cfg.float32_matmul_precision)
+        self.cfg = cfg
+        self.model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
+        _predict_on_images(self.model)
+        self.inputs = PredictInputs(cfg.input, input_spec_of(self.model, train_config, cfg), resize=cfg.resize)
+        self._classes = class_names(self.model, cfg.ckpt_path, train_config)
+        build.check(cfg)
+        make_output_dirs(cfg)
+        self.output_dir = Path(cfg.paths.output_dir)
+
+    def trainer(self, trainer_cfg: DictConfig, callbacks: list[Any]) -> Any:
+        """The Trainer, with the callback that writes <run>/predictions.pt and predictions.csv (rank 0, in input
+        order, whatever the strategy) after `callbacks`."""
+        from engine.callbacks.predictions import PredictionsWriter
+
+        writer = PredictionsWriter(self.output_dir, self.inputs.names, self._classes)
+        trainer = build.trainer(trainer_cfg, [*callbacks, writer], [], self.cfg.launch)
+        if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
+            sweeps.run_job_in_fresh_process(None)
+            raise RunEnded(self.output_dir)
+        return trainer
+
+    def dataloader(self, trainer: Any) -> Any:
+        """The inputs in batches of `batch_size`, in order."""
+        from torch.utils.data import DataLoader
+
+        return DataLoader(
+            self.inputs,
+            batch_size=self.cfg.batch_size,
+            shuffle=False,
+            num_workers=self.cfg.num_workers,
+            persistent_workers=False,
+            pin_memory=trainer.strategy.root_device.type == "cuda",
+        )
+
+    def predicted(self, trainer: Any) -> Path:
+        if trainer.is_global_zero:
+            log.info("Predicted %d inputs into %s", len(self.inputs), self.output_dir)
+        return self.output_dir

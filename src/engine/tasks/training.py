@@ -1,4 +1,10 @@
-"""The training task: build everything from the composed config, fit, then test the best checkpoint."""
+"""What a training run needs around the user's task (project.tasks.train), in the order the task asks for it.
+
+`TrainRun(cfg)` comes first: it checks every component config against what it builds, claims and prepares the run
+directory, seeds, and finds where to continue from (`ckpt_path`, or after a requeue this directory's furthest
+checkpoint). `trainer(...)` builds the Trainer once the model and data exist, after checking that they fit each
+other and the checkpoint. `fitted`, `tested` and `objective` write and return the run's numbers.
+"""
 
 import logging
 from pathlib import Path
@@ -10,7 +16,7 @@ from engine import build, contract
 from engine.callbacks import averaging
 from engine.callbacks.monitor import Monitor, best_key
 from engine.callbacks.schedule import StretchSchedule
-from engine.config.schema import check_config
+from engine.errors import RunEnded
 from engine.launch import environment
 from engine.runs import checkpoints, resume
 from engine.runs.dirs import make_output_dirs
@@ -23,78 +29,109 @@ from engine.tasks.seeding import seed_run
 log = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig) -> float | None:
-    """Returns the best value of `cfg.monitor.metric` (or `cfg.optimized_metric`'s), for sweepers; None when it was
-    not logged."""
-    check_config(cfg)
-    build.check(cfg)
-    if cfg.tune:
-        tune.check(cfg)
-    checkpoints.refuse_empty(cfg.ckpt_path)
-    output_dir = Path(cfg.paths.output_dir)
-    resume.check_output_dirs(output_dir, cfg.callbacks, environment.restarted())
-    make_output_dirs(cfg)
-    seed_run(cfg.seed)
-    set_matmul_precision(cfg.float32_matmul_precision)
-    ckpt_path = resume.resume_point(output_dir, environment.restarted(), cfg.ckpt_path)
-    run_callbacks = []
-    resumed: dict = {}
-    if ckpt_path:
-        resumed = checkpoints.read(ckpt_path)  # read once: for these checks and for Lightning's restore
-        resume.check_same_model(ckpt_path, resumed, cfg.model)
-        stretched = resume.schedule_length(ckpt_path, resumed, cfg.model, cfg.stretch_schedule) if cfg.train else None
-        if stretched is not None:
-            run_callbacks.append(StretchSchedule(stretched))
-        if cfg.train:
-            log.info("Resuming from %s", ckpt_path)
+class TrainRun:
+    """One training run: see the module docstring. With `tune=lr|batch_size` Lightning's finder runs here first
+    (engine.tasks.tune): without `tune.apply=true` the run ends after it; with it, the value found is written into
+    `cfg`, which the task then builds from."""
 
-    datamodule = build.datamodule(cfg.data)
-    model = build.model(cfg.model)
-    contract.check(model, datamodule, test=cfg.test, train=cfg.train)
-    contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))
-    if ckpt_path:
-        checkpoints.check_weights_fit(ckpt_path, resumed, model)
-    if cfg.tune:
-        report = tune.find(cfg, model, datamodule, output_dir)
+    def __init__(self, cfg: DictConfig) -> None:
+        build.check(cfg)
+        if cfg.tune:
+            tune.check(cfg)
+        checkpoints.refuse_empty(cfg.ckpt_path)
+        self.cfg = cfg
+        self.output_dir = Path(cfg.paths.output_dir)
+        resume.check_output_dirs(self.output_dir, cfg.callbacks, environment.restarted())
+        make_output_dirs(cfg)
+        seed_run(cfg.seed)
+        set_matmul_precision(cfg.float32_matmul_precision)
+        self.ckpt_path: str | None = resume.resume_point(self.output_dir, environment.restarted(), cfg.ckpt_path)
+        self._resumed: dict = {}
+        self._stretch: list[Any] = []
+        self._metrics: dict[str, float] = {}
+        self._monitor: Monitor | None = None
+        self._tested = ""  # the best checkpoint of this fit, tested
+        if self.ckpt_path:
+            self._resumed = checkpoints.read(self.ckpt_path)  # read once: for these checks and Lightning's restore
+            resume.check_same_model(self.ckpt_path, self._resumed, cfg.model)
+            if cfg.train:
+                length = resume.schedule_length(self.ckpt_path, self._resumed, cfg.model, cfg.stretch_schedule)
+                self._stretch = [StretchSchedule(length)] if length is not None else []
+                log.info("Resuming from %s", self.ckpt_path)
+        if cfg.tune:
+            self._tune()
+
+    def _tune(self) -> None:
+        cfg = self.cfg
+        datamodule, model = build.instantiate(cfg.data, "data"), build.instantiate(cfg.model, "model")
+        self._check(model, datamodule)
+        report = tune.find(cfg, model, datamodule, self.output_dir)
+        log.info("%s", tune.said(report, applied=bool(cfg.tune.apply)))
         if not cfg.tune.apply:
-            log.info("%s", tune.said(report, applied=False))
-            return None
-        log.info("%s", tune.said(report, applied=True))
+            raise RunEnded(None)
         tune.apply(cfg, report)
-        seed_run(cfg.seed)  # built again as `python train.py <override>` would build them
-        datamodule, model = build.datamodule(cfg.data), build.model(cfg.model)
-    # Every checkpoint carries the plain run config (engine.runs.full_model.load_model rebuilds the model from it),
-    # loadable with weights_only=True; the module's own hyperparameters stay its own.
-    run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    monitor = Monitor(cfg.monitor.metric, cfg.monitor.mode)
-    callbacks = [monitor, *build.named(cfg.callbacks, "callbacks"), *run_callbacks]
-    if ckpt_path and cfg.train:
-        averaging.check_resume(ckpt_path, resumed, callbacks)
-    loggers = build.named(cfg.logger, "logger")
-    trainer = build.trainer(cfg.trainer, callbacks, loggers, cfg.launch, cfg.checks.every_n_steps, run_config)
-    if ckpt_path:
-        checkpoints.check_strategy_reads(ckpt_path, trainer.strategy, "resume" if cfg.train else "test")
-    objective = cfg.optimized_metric or best_key(cfg.monitor.metric)
-    if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
-        return sweeps.run_job_in_fresh_process(objective)
-    hand_over = getattr(trainer.strategy.checkpoint_io, "hand_over", None)
-    if ckpt_path and hand_over is not None:
-        hand_over(ckpt_path, resumed)
-    for logger in loggers:  # the run config beside the module's own hyperparameters (TensorBoard's HParams view)
-        logger.log_hyperparams(run_config)
+        seed_run(cfg.seed)  # the task builds them again, as `python train.py <override>` would
 
-    metrics: dict[str, float] = {}
-    if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)  # a divergence is recorded where it is found
-        found = {best_key(monitor.metric): monitor.best} if monitor.best is not None else {}
-        metrics.update(write_metrics(trainer, output_dir / "fit_metrics.json", extra=found))
-    if cfg.test:
-        best = trainer.checkpoint_callback.best_model_path if cfg.train and trainer.checkpoint_callback else ""
-        best = resume.best_to_test(best, ckpt_path)
-        if cfg.train and not best:
+    def _check(self, model: Any, datamodule: Any) -> None:
+        cfg = self.cfg
+        contract.check(model, datamodule, test=cfg.test, train=cfg.train)
+        contract.check_fits(model, datamodule, OmegaConf.to_container(cfg.data, resolve=True))
+        if self.ckpt_path:
+            checkpoints.check_weights_fit(self.ckpt_path, self._resumed, model)
+
+    def trainer(
+        self, trainer_cfg: DictConfig, callbacks: list[Any], logger: list[Any], model: Any, datamodule: Any
+    ) -> Any:
+        """The Trainer, once the model and data are built: checked against each other (the model's contract, the
+        data's shape) and against the checkpoint to continue (its weights, its weight averaging) first. In a
+        sweep, a job whose Trainer would start more processes runs as a process of its own, and the run ends."""
+        cfg = self.cfg
+        self._check(model, datamodule)
+        callbacks = [*callbacks, *self._stretch]
+        if self.ckpt_path and cfg.train:
+            averaging.check_resume(self.ckpt_path, self._resumed, callbacks)
+        # Every checkpoint carries the plain run config (engine.runs.full_model.load_model rebuilds the model from
+        # it), loadable with weights_only=True; the module's own hyperparameters stay its own.
+        run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        trainer = build.trainer(trainer_cfg, callbacks, logger, cfg.launch, run_config)
+        if self.ckpt_path:
+            checkpoints.check_strategy_reads(self.ckpt_path, trainer.strategy, "resume" if cfg.train else "test")
+        if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
+            raise RunEnded(sweeps.run_job_in_fresh_process(self._objective_name()))
+        hand_over = getattr(trainer.strategy.checkpoint_io, "hand_over", None)
+        if self.ckpt_path and hand_over is not None:
+            hand_over(self.ckpt_path, self._resumed)
+        for each in logger:  # the run config beside the module's own hyperparameters (TensorBoard's HParams view)
+            each.log_hyperparams(run_config)
+        self._monitor = next((c for c in trainer.callbacks if isinstance(c, Monitor)), None)
+        return trainer
+
+    def fitted(self, trainer: Any) -> None:
+        """After fit: its numbers, with the monitored metric's best, in <run>/fit_metrics.json."""
+        monitor = self._monitor
+        best = {best_key(monitor.metric): monitor.best} if monitor is not None and monitor.best is not None else {}
+        self._metrics.update(write_metrics(trainer, self.output_dir / "fit_metrics.json", extra=best))
+
+    def checkpoint_to_test(self, trainer: Any) -> str | None:
+        """The best checkpoint of this fit; with train=false the checkpoint given; None: the weights as they are."""
+        if not self.cfg.train:
+            return self.ckpt_path
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        best = resume.best_to_test(best, self.ckpt_path)
+        if not best:
             log.warning("No checkpoint was saved; testing the weights as they are after training.")
-        trainer.test(model, datamodule=datamodule, ckpt_path=best or (None if cfg.train else ckpt_path))
-        metrics.update(write_metrics(trainer, output_dir / "test_metrics.json"))
-        if best and trainer.is_global_zero:
-            log.info("Tested %s", best)
-    return sweeps.objective(metrics, objective)
+        self._tested = best
+        return best or None
+
+    def tested(self, trainer: Any) -> None:
+        """After test: its numbers in <run>/test_metrics.json."""
+        self._metrics.update(write_metrics(trainer, self.output_dir / "test_metrics.json"))
+        if self._tested and trainer.is_global_zero:
+            log.info("Tested %s", self._tested)
+
+    def _objective_name(self) -> str:
+        return self.cfg.optimized_metric or best_key(self.cfg.monitor.metric)
+
+    def objective(self) -> float | None:
+        """What a sweeper optimizes: `optimized_metric`, else the best `monitor.metric` of the run."""
+        return sweeps.objective(self._metrics, self._objective_name())

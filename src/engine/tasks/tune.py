@@ -91,17 +91,12 @@ def _tuning_trainer(cfg: DictConfig, scratch: Path) -> Any:
     """A Trainer like the run's, on one device, without the run's loggers, callbacks and checkpoints."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from engine.callbacks.checks import RunChecks
-    from engine.callbacks.run_state import RunState
-
     trainer = build.trainer(
         # the finders count their own steps: the run's epoch and time limits would cut them short
         OmegaConf.create({**_plain(cfg.trainer), "default_root_dir": str(scratch), **UNLIMITED, **_no_validation(cfg)}),
         [],
         [],
         cfg.launch,
-        cfg.checks.every_n_steps,
-        None,
     )
     if not isinstance(trainer.strategy, SingleDeviceStrategy):  # ddp, dp, fsdp, pipe: several devices or processes
         raise UserError(
@@ -109,10 +104,7 @@ def _tuning_trainer(cfg: DictConfig, scratch: Path) -> Any:
             f"{type(trainer.strategy).__name__} on {len(getattr(trainer.strategy, 'parallel_devices', None) or [0])} "
             "devices; tune with trainer=default (or trainer.devices=1), then train with the value under any strategy"
         )
-    # The run's stop-and-save checks (engine.callbacks.checks) would record a Ctrl-C that nothing reads: the finders
-    # set the callbacks aside while they search. `find` stops the search on a signal itself.
-    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, (RunChecks, RunState))]
-    return trainer
+    return trainer  # without the run's callbacks: `find` stops the search on a signal itself
 
 
 def _no_validation(cfg: DictConfig) -> dict[str, Any]:

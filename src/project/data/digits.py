@@ -8,9 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.data.spec import InputSpec
-from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
-from engine.errors import UserError
+from engine import InputSpec, TensorDataModule, TensorDataset, UserError, normalize, split
 
 # MNIST's own statistics, so a model trained here sees inputs scaled like full MNIST.
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081

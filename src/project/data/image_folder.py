@@ -22,11 +22,16 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
-from engine.data.images import load_image, model_input
-from engine.data.resumable import ResumableLoader, ResumableSampler
-from engine.data.spec import InputSpec
-from engine.data.tensors import TensorDataModule, split
-from engine.errors import UserError
+from engine import (
+    InputSpec,
+    ResumableLoader,
+    ResumableSampler,
+    TensorDataModule,
+    UserError,
+    load_image,
+    model_input,
+    split,
+)
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,7 @@ from typing import Any
 
 import torch
 
-from engine.data.spec import InputSpec
-from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
-from engine.errors import UserError
+from engine import InputSpec, TensorDataModule, TensorDataset, UserError, normalize, split
 
 # Per-dataset pixel mean and std of the training set.
 STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530), "KMNIST": (0.1918, 0.3483)}

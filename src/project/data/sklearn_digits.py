@@ -4,8 +4,7 @@ every template net takes them (copy this file to start yours). scikit-learn come
 import torch
 import torch.nn.functional as F
 
-from engine.data.spec import InputSpec
-from engine.data.tensors import TensorDataModule, TensorDataset, normalize, split
+from engine import InputSpec, TensorDataModule, TensorDataset, normalize, split
 
 # Pixel mean and std of the upscaled images in [0, 1]; training, predict.py and export.py all use them.
 MEAN, STD = 0.3053, 0.3247
