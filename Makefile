@@ -39,6 +39,7 @@ bench:  ## the speed suite, a few minutes on CPU: benchmarks/results/*.{json,png
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/whole_run.py
 	$(BIN)/python benchmarks/step_loop.py
+	$(BIN)/python benchmarks/speedups.py
 	$(BIN)/python benchmarks/figures.py
 	$(BIN)/python benchmarks/graph.py
 	$(BIN)/python benchmarks/per_call.py

@@ -2,8 +2,8 @@
 
 - `self.log` of a step value and of a metric object: Lightning's result collection with its own `_ResultMetric.to`
   (a move to the device on every call) and with engine.loggers.logged_values' (no move when already there);
-- a training step's metric updates: torchmetrics' MeanMetric and MulticlassAccuracy, and project.models.metrics'
-  Mean and Accuracy (a batch of 64, 10 classes);
+- a training step's metric updates: torchmetrics' MeanMetric and MulticlassAccuracy, as the classifier makes them
+  (a batch of 64, 10 classes);
 - a checkpoint save, as long as it holds the training thread: written there (fsync and rename included), and
   handed to the writer thread (engine.runs.atomic_io; the write itself is waited for outside the timing), for the
   MLP 784-64-128-64 and for ResNet-18 (11M weights), each with Adam's two moments, each net in rounds of its own
@@ -44,7 +44,6 @@ from engine.callbacks.checkpoint import BestCheckpoint
 from engine.launch.devices import NVML_CHECK
 from engine.loggers import logged_values
 from engine.runs.atomic_io import AtomicCheckpointIO
-from project.models.metrics import Accuracy, Mean
 from project.models.mlp import MLP
 from project.models.resnet import ResNet18
 
@@ -84,7 +83,6 @@ def metric_updates(calls: int) -> dict[str, Callable[[], float]]:
 
     return {
         "torchmetrics": partial(timed, *torchmetrics_own),
-        "project.models.metrics": partial(timed, Mean(), Accuracy()),
     }
 
 

@@ -154,3 +154,19 @@ def test_the_training_bar_takes_the_count_at_most_refresh_rate_times_a_second_an
     for batch_idx in range(100):
         bar.on_train_batch_end(None, None, None, None, batch_idx)
     assert taken == [0, 3, 5, 99]  # at 0 s, 0.1 s, 0.35 s (0.1 s apart at least), and the epoch's last batch
+
+
+def test_with_speedups_off_the_trainer_is_lightnings_own(make_cfg):
+    """`speedups=false`: no hook is set aside, Lightning's own profiler (none), and the NVML check as Lightning set it;
+    the one switch for every shortcut of the engine (benchmarks/speedups.py says what each is worth)."""
+    import os
+
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from engine.launch.devices import NVML_CHECK
+
+    os.environ[NVML_CHECK] = "1"  # as importing Lightning leaves it
+    cfg = make_cfg("trainer.accelerator=cpu", "speedups=false")
+    trainer = build.trainer(cfg.trainer, build.named(cfg.callbacks, "callbacks"), [], speedups=cfg.speedups)
+    assert type(trainer.profiler) is PassThroughProfiler and os.environ[NVML_CHECK] == "1"
+    assert all(callable(getattr(c, hook)) for c in trainer.callbacks for hook in PER_BATCH_HOOKS)

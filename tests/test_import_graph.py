@@ -145,3 +145,35 @@ def test_every_public_name_of_the_engine_loads_and_importing_it_loads_no_torch()
         assert getattr(engine, name) is not None
     probe = "import sys, engine; assert 'torch' not in sys.modules and 'lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] == "project"))
+def test_the_project_uses_no_private_api_of_a_library(module: str) -> None:
+    """What a user copies is plain: no `x._name` of another object (a private of Lightning, torch, ...), no import of
+    a private name or module, and no assignment to another module's attribute (a monkeypatch). Its own
+    `self._name` is its business."""
+    tree = ast.parse(MODULES[module].read_text())
+    imported = {
+        (alias.asname or alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.ImportFrom) and node.module:
+            parts = [*node.module.split("."), *(a.name for a in node.names)]
+            found += [
+                f"line {node.lineno}: import of {p}" for p in parts if p.startswith("_") and not p.startswith("__")
+            ]
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                root = target
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id in imported:
+                    found.append(f"line {node.lineno}: assigns {ast.unparse(target)}")
+    assert not found, f"{module}: {found}"

@@ -96,10 +96,6 @@ def test_torchmetrics_internals_used_by_dp():
         assert hasattr(metric, name), name
     for name in ("_update_count", "_forward_cache", "_computed"):
         assert name in vars(metric), name
-    # models/metrics.py: its update wrapper replaces torchmetrics' one, which __init__ installs through _wrap_update
-    from torchmetrics import Metric
-
-    assert "self._wrap_update(self.update)" in inspect.getsource(Metric.__init__)
 
 
 def test_torch_internals_used_without_a_gpu():
@@ -180,8 +176,6 @@ def test_internals_used_by_the_step_loop_callbacks():
     from lightning.pytorch.strategies import model_parallel
 
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    # models/classifier.py: the step loss is logged only on the steps the loggers write
-    assert isinstance(trainer._logger_connector.should_update_logs, bool)
     # callbacks/checks.py: Lightning's per-step SIGTERM broadcast, switched off; the cluster environment
     epoch_loop = trainer.fit_loop.epoch_loop
     assert callable(epoch_loop._broadcast_sigterm_tensor)

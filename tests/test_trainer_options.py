@@ -40,6 +40,7 @@ def test_compile_compiles_the_forward_in_place(make_cfg, tmp_path):
     cfg = make_cfg("model=mlp", "model.compile=eager", "debug=fdr", "trainer.accelerator=cpu")
     model = instantiate(cfg.model)
     keys = set(model.state_dict())
+    model.trainer = build.trainer(cfg.trainer, [], [])  # as Lightning attaches it before configure_model
     model.configure_model()
     assert model.net._compiled_call_impl is not None
     assert set(model.state_dict()) == keys  # checkpoints load with or without compile

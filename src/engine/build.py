@@ -259,9 +259,12 @@ def trainer(
     loggers: list[Any],
     launch: Any = None,
     run_config: dict[str, Any] | None = None,
+    speedups: bool = True,
 ) -> Any:
     """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do. The run
-    config goes into every checkpoint through the RunState callback (conf/callbacks/run_state.yaml), if listed."""
+    config goes into every checkpoint through the RunState callback (conf/callbacks/run_state.yaml), if listed.
+    `speedups` (config: `speedups`): the engine's shortcuts through Lightning's per-step bookkeeping, each worth
+    more than 5% of a CPU step on the MNIST-sized epoch (benchmarks/speedups.py)."""
     import engine.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
     from engine.callbacks.dispatch import skip_unused_hooks
     from engine.loggers.logged_values import skip_needless_moves
@@ -272,7 +275,9 @@ def trainer(
     processes.check_process_count(cfg.get("devices", "auto"), cfg.get("num_nodes", 1), cfg.get("strategy", "auto"))
     callbacks = _callbacks_for(callbacks, loggers)
     _hand_run_config(callbacks, run_config)
-    overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks), **_profiler(cfg)}
+    overrides = {**_fsdp_by_name(cfg), **_plugins(cfg), **_checkpointing(cfg, callbacks)}
+    if speedups:
+        overrides.update(_profiler(cfg))
     from engine.console import ignore_known_warnings
 
     ignore_known_warnings()  # Lightning's srun hint among them: also where a Trainer is built in-process (tests)
@@ -280,9 +285,10 @@ def trainer(
     built = instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False, **overrides)
     _check_precision(cfg, built)
     _check_processes(built, launch)
-    skip_unused_hooks(built.callbacks)  # with the ones Lightning added (its progress bar, model summary)
-    skip_needless_moves()  # self.log no longer moves its result object to where it already is
-    devices.answer_cuda_checks_without_nvml()  # no GPU: no NVML lookup in every optimizer step
+    if speedups:
+        skip_unused_hooks(built.callbacks)  # with the ones Lightning added (its progress bar, model summary)
+        skip_needless_moves()  # self.log no longer moves its result object to where it already is
+        devices.answer_cuda_checks_without_nvml()  # no GPU: no NVML lookup in every optimizer step
     return built
 
 

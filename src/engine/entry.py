@@ -164,15 +164,20 @@ def _remove_unused_sweep_dir() -> None:
         remove_if_unused(Path(HydraConfig.get().sweep.dir))
 
 
+_QUICK_EXIT = {"on": True}  # the run's `speedups`, set by run()
+
+
 def _leave(code: Any) -> None:
     """End the process as the interpreter would, without its last step: threads joined (threading's exit hooks
     first, which stop joblib's workers), atexit handlers run (log files, temporary directories, child processes),
     streams flushed; then exit. The step left out tears down every module torch and Lightning loaded, about 1.3 s
-    at the end of every run and of every rank's process (benchmarks/startup.py), and nothing here needs it."""
+    at the end of every run and of every rank's process (benchmarks/startup.py), and nothing here needs it.
+    With `speedups=false`, or under `python -m cProfile` (it writes its stats after the script returns), the
+    interpreter ends as usual."""
     import atexit
     import threading
 
-    if sys.getprofile() is not None:  # `python -m cProfile` writes its stats after the script returns
+    if sys.getprofile() is not None or not _QUICK_EXIT["on"]:
         raise SystemExit(code)
     status = code if isinstance(code, int) else 0 if code is None else 1
     if not isinstance(code, (int, type(None))):
@@ -260,6 +265,7 @@ def run(task: str, cfg: DictConfig) -> Any:
     from engine.config.schema import check_config
 
     ignore_known_warnings()
+    _QUICK_EXIT["on"] = bool(cfg.get("speedups", True))
     hc = HydraConfig.get()
     with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
         try:

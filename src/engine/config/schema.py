@@ -63,6 +63,8 @@ class RunConfig:
     # packages of yours whose classes a checkpoint may name, besides this project's, torch.nn, torch.optim and
     # torchvision.models (engine.runs.checkpoints): a checkpoint may come from someone else
     trusted_packages: list[str] = field(default_factory=list)
+    # the engine's shortcuts through Lightning's per-step bookkeeping and the interpreter's teardown (engine.build)
+    speedups: bool = True
 
 
 @dataclass

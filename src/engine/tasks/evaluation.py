@@ -57,7 +57,7 @@ class EvalRun:
     def trainer(self, trainer_cfg: DictConfig, callbacks: list[Any], logger: list[Any], datamodule: Any) -> Any:
         """The Trainer, once the data is built: checked against the model first (data=... of another shape)."""
         contract.check_fits(self.model, datamodule, OmegaConf.to_container(self.data, resolve=True))
-        trainer = build.trainer(trainer_cfg, callbacks, logger, self.cfg.launch)
+        trainer = build.trainer(trainer_cfg, callbacks, logger, self.cfg.launch, speedups=self.cfg.speedups)
         if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
             sweeps.run_job_in_fresh_process(None)
             raise RunEnded(read_metrics(self.output_dir))

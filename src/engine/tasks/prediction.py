@@ -88,7 +88,7 @@ class PredictRun:
         from engine.callbacks.predictions import PredictionsWriter
 
         writer = PredictionsWriter(self.output_dir, self.inputs.names, self._classes)
-        trainer = build.trainer(trainer_cfg, [*callbacks, writer], [], self.cfg.launch)
+        trainer = build.trainer(trainer_cfg, [*callbacks, writer], [], self.cfg.launch, speedups=self.cfg.speedups)
         if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
             sweeps.run_job_in_fresh_process(None)
             raise RunEnded(self.output_dir)

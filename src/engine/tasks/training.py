@@ -93,7 +93,7 @@ class TrainRun:
         # Every checkpoint carries the plain run config (engine.runs.full_model.load_model rebuilds the model from
         # it), loadable with weights_only=True; the module's own hyperparameters stay its own.
         run_config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-        trainer = build.trainer(trainer_cfg, callbacks, logger, cfg.launch, run_config)
+        trainer = build.trainer(trainer_cfg, callbacks, logger, cfg.launch, run_config, cfg.speedups)
         if self.ckpt_path:
             checkpoints.check_strategy_reads(self.ckpt_path, trainer.strategy, "resume" if cfg.train else "test")
         if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):

@@ -97,6 +97,7 @@ def _tuning_trainer(cfg: DictConfig, scratch: Path) -> Any:
         [],
         [],
         cfg.launch,
+        speedups=cfg.speedups,
     )
     if not isinstance(trainer.strategy, SingleDeviceStrategy):  # ddp, dp, fsdp, pipe: several devices or processes
         raise UserError(

@@ -6,9 +6,8 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MaxMetric
-
-from project.models.metrics import Accuracy, Mean
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -17,10 +16,9 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 class ImageClassifier(L.LightningModule):
     """Trains `net` (images -> logits) with cross-entropy; logs loss and accuracy per split.
 
-    `optimizer` and `scheduler` are factories (Hydra partials) so the config picks them; `monitor` is the metric
-    a plateau scheduler watches (the run's monitor.metric). Hyperparameters are not saved here: every checkpoint
-    carries the plain run config instead (engine.callbacks.run_config), loads with torch.load(weights_only=True)
-    and rebuilds this module.
+    `optimizer` and `scheduler` are factories (Hydra partials), so the config picks them; `monitor` is the metric a
+    plateau scheduler watches (the run's monitor.metric). Hyperparameters are not saved here: every checkpoint carries
+    the plain run config instead, loads with torch.load(weights_only=True) and rebuilds this module.
     """
 
     def __init__(
@@ -34,7 +32,7 @@ class ImageClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
-            backends = ", ".join(torch.compiler.list_backends())  # not torch's own test and debugging backends
+            backends = ", ".join(torch.compiler.list_backends())
             raise ValueError(
                 f"compile={compile!r} is not a torch.compile backend; use true, false or one of {backends} (for "
                 "debugging: aot_eager, eager)"
@@ -44,13 +42,14 @@ class ImageClassifier(L.LightningModule):
         self.compile_net = compile
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.monitor = monitor  # what a plateau scheduler watches: the run's monitor.metric
+        self.monitor = monitor
         self.criterion = nn.CrossEntropyLoss()
-        # One metric object per split: their states must not mix (val runs inside the train epoch). They keep only
-        # the sums they report (project.models.metrics: about a third of torchmetrics' per-step cost). The mean
-        # does not look for NaN, a host sync per update: a non-finite loss stops the run (engine.callbacks.checks).
-        self.train_loss, self.val_loss, self.test_loss = Mean(), Mean(), Mean()
-        self.train_acc, self.val_acc, self.test_acc = Accuracy(), Accuracy(), Accuracy()
+        # One metric object per split: their states must not mix (validation runs inside the training epoch).
+        # No argument checks and no NaN search per update: each would read the device from the host every step.
+        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
+        self.train_acc, self.val_acc, self.test_acc = (
+            MulticlassAccuracy(num_classes, average="micro", validate_args=False) for _ in range(3)
+        )
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in checkpoints, so a resumed run still knows its best
 
@@ -58,15 +57,13 @@ class ImageClassifier(L.LightningModule):
         return self.net(x)
 
     def configure_model(self) -> None:
-        """Let the strategy spread the net over its devices (fsdp shards it: engine.strategies.parallelize),
-        then compile it if asked. Lightning calls this for every fit/validate/test: both steps are idempotent.
-        """
-        parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None
+        """Let the strategy spread the net over its devices first (fsdp shards it, pipe cuts it), then compile it
+        if asked. Lightning calls this before every fit, validate and test: both steps happen once."""
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:
             parallelize(self.net)
         if self.compile_net and not getattr(self, "_compiled", False):
-            # Module.compile() compiles forward in place: state_dict keys stay the same, so checkpoints
-            # load with or without compile.
+            # compiles forward in place: state_dict keys stay the same, so checkpoints load with or without it
             self.net.compile(**({"backend": self.compile_net} if isinstance(self.compile_net, str) else {}))
             self._compiled = True
 
@@ -75,29 +72,17 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         return self.criterion(logits, y), logits.argmax(dim=1), y
 
-    def _loggers_write_this_step(self) -> bool:
-        """Whether Lightning's loggers write this training step (every trainer.log_every_n_steps)."""
-        trainer = self._trainer
-        if trainer is None:
-            return True
-        return bool(trainer._logger_connector.should_update_logs or getattr(trainer, "fast_dev_run", 0))
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, preds, y = self._shared_step(batch)
-        # The metrics are only updated here (a metric's forward would also compute a per-batch value) and logged
-        # once an epoch; the step's loss is logged only on the steps the loggers write: a self.log call costs a
-        # good part of a millisecond (benchmarks/step_loop.py). Not in the progress bar: Lightning would read it
-        # from the device at every step (a host sync per step).
         self.train_loss.update(loss.detach())
         self.train_acc.update(preds, y)
-        if self._loggers_write_this_step():
-            self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False)
+        self.log("train/loss_step", loss.detach())  # not in the progress bar: that reads it from the device every step
         return loss
 
     def on_train_epoch_end(self) -> None:
-        # Logged as metric objects: Lightning computes them (synced over ranks) and resets them for the next epoch.
-        # An epoch without training steps (resumed from a checkpoint saved at its end) logs nothing, not NaN.
-        if self.train_loss.update_count:  # the same on every rank: equal shards
+        # Metric objects: Lightning computes them over the epoch (synced over ranks) and resets them. An epoch that
+        # ran no training step (resumed from a checkpoint saved at its end) logs nothing, not NaN.
+        if self.train_loss.update_count:
             self.log("train/loss_epoch", self.train_loss, prog_bar=True)
             self.log("train/acc", self.train_acc, prog_bar=True)
 
@@ -108,14 +93,12 @@ class ImageClassifier(L.LightningModule):
         return {"preds": preds, "target": y}  # for callbacks: the confusion matrix, the sample grid
 
     def on_validation_epoch_end(self) -> None:
-        # logged once, as metric objects: Lightning computes them over the epoch (synced over ranks) and resets them
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
         if self.trainer.sanity_checking:  # a look at untrained (or just restored) weights: not a result
             return
-        self.val_acc_best.update(self.val_acc.compute())  # not its forward: no per-call value is wanted
-        best = self.val_acc_best.compute()
-        self.log("val/acc_best", best, sync_dist=True, prog_bar=True)
+        self.val_acc_best.update(self.val_acc.compute())
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss, preds, y = self._shared_step(batch)
