@@ -3,31 +3,40 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install lock upgrade test test-fast test-gpu lint bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
+.DEFAULT_GOAL := help
+.PHONY: help install lock upgrade test test-fast test-gpu lint bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
 
-install: $(BIN)/python  ## create .venv with exactly the versions in requirements.lock (hash-checked, compiled to bytecode once: every process imports lightning), then the project
+help:  ## this list: every target and what it does
+	@awk 'BEGIN {FS = ":.*##"} /^[a-z][a-z-]*:.*##/ {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+# exactly the versions in requirements.lock, hash-checked, compiled to bytecode once (every process imports lightning)
+install: $(BIN)/python  ## create .venv with the locked versions, then this project
 	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' requirements.lock)"
 	$(BIN)/uv pip sync --quiet --python $(BIN)/python --compile-bytecode --require-hashes requirements.lock
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 
-lock:  ## record what .venv holds (the versions make test just passed with) in requirements.lock, every platform
+# the versions make test just passed with, resolved for every platform
+lock:  ## record what .venv holds in requirements.lock
 	$(BIN)/uv pip freeze --python $(BIN)/python --exclude-editable > .venv/tested.txt
 	$(BIN)/uv pip compile --quiet pyproject.toml --extra dev --universal --generate-hashes \
 		--constraint .venv/tested.txt --custom-compile-command "make lock" --output-file requirements.lock
 
-upgrade:  ## move .venv to the newest versions pyproject.toml allows; then make test, make lock, commit the lock
+# then make test, make lock, and commit the lock
+upgrade:  ## move .venv to the newest versions pyproject.toml allows
 	$(BIN)/uv pip install --python $(BIN)/python --upgrade -e ".[dev]"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-test:  ## the whole suite, slow end-to-end tests included; three test files at a time on 2 cores (many tests wait on processes they started)
+# three test files at a time on 2 cores: many tests wait on processes they started
+test:  ## the whole suite, end-to-end tests and every doc command included
 	$(BIN)/pytest -n 3 --dist loadfile
 
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"
 
-test-gpu:  ## on a machine with a CUDA GPU: what CPU runs cannot show (tests/test_gpu.py and the tests that skip without CUDA)
+# tests/test_gpu.py and the tests that skip without CUDA
+test-gpu:  ## on a CUDA GPU: what CPU runs cannot show
 	$(BIN)/pytest -m gpu -rsP
 
 lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on src/
@@ -35,7 +44,8 @@ lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on s
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-bench:  ## the speed suite, a few minutes on CPU: benchmarks/results/*.{json,png} and profile.txt (benchmarks/README.md)
+# benchmarks/results/*.{json,png} and profile.txt (benchmarks/README.md)
+bench:  ## the speed suite on CPU (about 20 minutes)
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/whole_run.py
 	$(BIN)/python benchmarks/step_loop.py
@@ -48,18 +58,22 @@ bench:  ## the speed suite, a few minutes on CPU: benchmarks/results/*.{json,png
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/profile_run.py
 
-bench-gpu:  ## on one CUDA GPU: the step loop against bare Lightning there, benchmarks/results/step_loop_gpu.{json,png}
+# benchmarks/results/step_loop_gpu.{json,png}
+bench-gpu:  ## on one CUDA GPU: the step loop against bare Lightning there
 	$(BIN)/python benchmarks/step_loop.py --accelerator gpu
 
-bench-peer:  ## make the lightning-hydra-template's venv (pip: rootutils, hydra-colorlog), then the figures that use it
+# its venv needs rootutils and hydra-colorlog from pip
+bench-peer:  ## the startup and whole-run figures against lightning-hydra-template
 	$(BIN)/python benchmarks/peer.py --setup
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/whole_run.py
 
-bench-tests:  ## what `make test` costs (wall, CPU, ten slowest): benchmarks/results/test_suite.json; run it on a quiet machine
+# benchmarks/results/test_suite.json; run it on a quiet machine
+bench-tests:  ## what make test costs: wall, CPU, the ten slowest tests
 	$(BIN)/python benchmarks/test_suite.py
 
-bench-pipeline:  ## one device vs plain split vs pipelined split: benchmarks/results/pipeline.{json,png}
+# benchmarks/results/pipeline.{json,png}
+bench-pipeline:  ## one device vs a plain split vs a pipelined split
 	$(BIN)/python benchmarks/pipeline.py
 
 train:  ## train the default model on the default data
@@ -68,7 +82,7 @@ train:  ## train the default model on the default data
 tensorboard:  ## inspect every run under logs/
 	$(BIN)/tensorboard --logdir logs
 
-tensorboard-shots:  ## screenshots of the newest run's scalars, HParams and images pages (needs Chromium)
+tensorboard-shots:  ## screenshots of the newest run's TensorBoard pages (needs Chromium)
 	$(BIN)/python -m engine.loggers.screenshots logs
 
 devices:  ## what this machine offers and what the default trainer would pick

@@ -14,12 +14,15 @@ from test_cluster import free_port
 pytestmark = pytest.mark.slow
 
 
-def test_help_lists_groups_without_importing_torch():
+def test_help_lists_the_groups_a_user_picks_without_importing_torch():
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    assert "== Configuration groups ==" in proc.stdout and "trainer: " in proc.stdout
+    options = [line.split() for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert ["model", "autoencoder"] == options[[o[0] for o in options].index("model")][:2]
+    assert any(o[0] == "lenet*" for o in options) and any(o[0] == "hydra/launcher" for o in options)
+    assert "_tiny" not in proc.stdout and "profile/" not in proc.stdout  # the test suite's sizes
     imported = {
         line.split("|")[-1].strip().split(".")[0]
         for line in proc.stderr.splitlines()
@@ -390,3 +393,24 @@ def test_devices_lists_every_visible_gpu(monkeypatch):
     assert lines[0] == "CUDA_VISIBLE_DEVICES: (empty: no GPU is visible)"
     assert [line.split()[0] for line in lines if line.startswith("  cuda:")] == ["cuda:0", "cuda:1"]
     assert "  cuda:1  Fake GPU  80.0 GiB  compute capability 9.0" in lines
+
+
+@pytest.mark.parametrize("trainer", ["trainer=ddp", "trainer=pipe"])
+def test_debug_fdr_keeps_the_devices_and_strategy_it_is_given(cli, tmp_path, trainer):
+    """One batch of each stage under the strategy asked for, on every rank (it forced one device before)."""
+    proc = cli("train.py", "debug=fdr", trainer, "trainer.accelerator=cpu", "print_config=false")
+    (run,) = run_dirs(tmp_path / "logs")
+    if trainer == "trainer=ddp":
+        assert "MEMBER: 1/2" in proc.stdout + proc.stderr and (run / "train_ddp_process_1.log").is_file()
+    else:
+        assert "strategy=pipe: LeNet cut into" in proc.stdout + proc.stderr
+
+
+def test_a_run_says_its_directory_at_start_and_end_and_shows_its_config(cli, tmp_path):
+    proc = cli("train.py", "model=mlp", "trainer.max_epochs=1", env={"PROJECT_PROFILE": "tiny"})
+    (run,) = run_dirs(tmp_path / "logs")
+    said = proc.stdout + proc.stderr
+    assert said.count(f"Run directory: {run}") == 2 and said.rstrip().endswith(f"Run directory: {run}")
+    assert "├── model" in proc.stdout and "_target_: project.models.mlp.MLP" in proc.stdout
+    quiet = cli("train.py", "model=mlp", "trainer.max_epochs=1", "print_config=false", env={"PROJECT_PROFILE": "tiny"})
+    assert "├── model" not in quiet.stdout and "Run directory: " in quiet.stdout + quiet.stderr

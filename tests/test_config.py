@@ -112,3 +112,12 @@ def test_bad_value_is_one_line_user_error(make_cfg):
         train(make_cfg("data.batch_size=0"))
     assert str(build.one_line(info.value)).startswith("data: ValueError: batch_size must be >= 1")
     assert "\n" not in str(build.one_line(info.value))
+
+
+def test_every_config_file_starts_with_a_one_line_summary():
+    """`python train.py --help` shows it beside each option (engine.help)."""
+    from engine.help import summary
+
+    for path in sorted((REPO / "conf").rglob("*.yaml")):
+        line = summary(path)
+        assert 0 < len(line) <= 90, f"{path.relative_to(REPO)}: first line {line!r}"

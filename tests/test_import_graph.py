@@ -16,7 +16,7 @@ LAYERS = [
     ["engine.strategies", "engine.launch", "engine.loggers", "engine.callbacks", "engine.sweeps", "hydra_plugins"],
     ["engine.build"],  # every component from its config
     ["engine.tasks"],  # what an entry point needs around the user's task
-    ["engine.entry", "engine"],  # the command line, and the public API
+    ["engine.entry", "engine.help", "engine"],  # the command line, and the public API
 ]
 
 

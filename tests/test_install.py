@@ -65,3 +65,15 @@ def test_the_installed_packages_are_compiled_to_bytecode():
     for name in ("lightning.pytorch.trainer.trainer", "torchmetrics.metric", "hydra._internal.config_loader_impl"):
         source = importlib.util.find_spec(name).origin
         assert Path(importlib.util.cache_from_source(source)).is_file(), f"{source} has no bytecode: run make install"
+
+
+def test_make_help_lists_every_target_with_what_it_does():
+    import re
+    import subprocess
+
+    phony = re.search(r"^\.PHONY: (.*)$", (REPO / "Makefile").read_text(), re.M).group(1).split()  # type: ignore[union-attr]
+    proc = subprocess.run(["make", "--no-print-directory", "-C", str(REPO)], capture_output=True, text=True, check=True)
+    listed = {
+        line.split()[1]: line.split(None, 2)[2] for line in proc.stdout.splitlines() if line.startswith("  make ")
+    }
+    assert set(listed) == set(phony) and all(listed.values())  # `make` alone is `make help`

@@ -6,6 +6,7 @@ A leaf of the engine (no torch at import): the command line, the strategies and 
 import logging
 import os
 import warnings
+from typing import Any
 
 from engine.launch import environment
 
@@ -68,3 +69,28 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 def lost_connection(error: BaseException) -> bool:
     """A collective that failed because another rank ended (died, or stopped on an error of its own)."""
     return any(text in str(error) for text in _PEER_GONE)
+
+
+# The config's parts in the order a run builds them; the rest after, as composed.
+TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "paths")
+
+
+def print_config_tree(cfg: Any) -> None:
+    """The composed config as a Rich tree, one branch per part (data, model, callbacks, ...), on stdout: what this
+    run will build, before it builds anything. `print_config=false` leaves it out."""
+    from omegaconf import DictConfig, OmegaConf
+    from rich import print as rich_print
+    from rich.syntax import Syntax
+    from rich.tree import Tree
+
+    tree = Tree("config", guide_style="dim")
+    keys = [k for k in TREE_ORDER if k in cfg] + [k for k in cfg if k not in TREE_ORDER]
+    for key in keys:
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            text = OmegaConf.to_yaml(node, resolve=False)
+        else:
+            text = f"{OmegaConf.to_yaml({key: node._value()}, resolve=False)}"
+            key = str(key)
+        tree.add(str(key)).add(Syntax(text.rstrip(), "yaml", theme="ansi_dark", background_color="default"))
+    rich_print(tree)

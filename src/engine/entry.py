@@ -2,6 +2,7 @@
 
 import contextlib
 import difflib
+import logging
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ from engine.console import (
     ignore_known_warnings,
     lost_connection,
     one_console_output,
+    print_config_tree,
 )
 from engine.errors import (
     RunEnded,
@@ -37,6 +39,8 @@ from engine.launch import environment
 from engine.runs.dirs import remove_if_unused
 from engine.sweeps import jobs as sweeps
 from engine.sweeps.jobs import record_failure
+
+log = logging.getLogger(__name__)
 
 
 def _one_line(text: str) -> str:
@@ -95,6 +99,21 @@ def _sbatch_refused(error: BaseException) -> UserError | None:
     )
 
 
+def _our_help() -> None:
+    """`--help` (alone, as Hydra reads it): the groups a user picks, read from conf/<script>.yaml's folder; Hydra's
+    own help, with every group and the composed config, is `--hydra-help`'s neighbour `--cfg job`."""
+    if not any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        return
+    script = Path(sys.argv[0])
+    conf = script.resolve().parent / "conf"
+    if not (conf / f"{script.stem}.yaml").is_file():  # another layout: Hydra's help
+        return
+    from engine.help import render
+
+    print(render(conf, script.stem, script.name))
+    raise SystemExit(0)
+
+
 def _with_profile(argv: list[str]) -> list[str]:
     """$PROJECT_PROFILE=<name> adds `profile=<name>` (conf/profile/): the documented way to shrink every command,
     for tests. Ranks and sweep jobs that a run starts inherit both the variable and the override."""
@@ -111,6 +130,7 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     from engine.config import register
 
     register()  # the typed schemas and resolvers conf/ uses, before Hydra composes anything
+    _our_help()
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
@@ -217,6 +237,16 @@ def _lost_rank(error: BaseException) -> str | None:
     return line
 
 
+def _show_start(cfg: DictConfig, output_dir: Path) -> None:
+    """The run's directory and its config, once (not by the ranks rank 0 started, nor by a rank of torchrun or srun
+    other than rank 0)."""
+    if environment.watched_rank() or environment.global_rank() > 0:
+        return
+    log.info("Run directory: %s", output_dir)
+    if cfg.get("print_config", True):
+        print_config_tree(cfg)
+
+
 def _instantiation_error_in(error: BaseException) -> UserError | None:
     """A target that refused its arguments while the task built it with hydra.utils.instantiate: one line."""
     from hydra.errors import InstantiationException
@@ -270,9 +300,13 @@ def run(task: str, cfg: DictConfig) -> Any:
     with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
         try:
             check_config(cfg)
+            _show_start(cfg, Path(hc.runtime.output_dir))
             function = _task(task)
             one_console_output()
-            return function(cfg)
+            result = function(cfg)
+            if not environment.watched_rank():
+                log.info("Run directory: %s", hc.runtime.output_dir)  # again at the end: where the results are
+            return result
         except RunEnded as ended:
             return ended.value
         except Exception as e:

@@ -65,6 +65,7 @@ class RunConfig:
     trusted_packages: list[str] = field(default_factory=list)
     # the engine's shortcuts through Lightning's per-step bookkeeping and the interpreter's teardown (engine.build)
     speedups: bool = True
+    print_config: bool = True  # the composed config as a tree on the console at start
 
 
 @dataclass

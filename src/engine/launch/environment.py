@@ -21,6 +21,16 @@ def watched_rank() -> bool:
     return os.environ.get(WATCHED_BY, str(os.getpid())) != str(os.getpid())
 
 
+def global_rank() -> int:
+    """This process's rank as an external launcher numbered it (torchrun's RANK, srun's SLURM_PROCID); 0 otherwise,
+    also for the ranks our own launcher starts (engine.launch.ranks: watched_rank says those)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and (name != "SLURM_PROCID" or under_slurm()):
+            return int(value)
+    return 0
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
