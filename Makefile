@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock upgrade test test-fast test-gpu lint bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
+.PHONY: help install lock upgrade test test-fast test-gpu lint docs docs-build bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
 
 help:  ## this list: every target and what it does
 	@awk 'BEGIN {FS = ":.*##"} /^[a-z][a-z-]*:.*##/ {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -43,6 +43,12 @@ lint:  ## style and types: ruff's checks and formatting (120 columns), mypy on s
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+docs:  ## serve the documentation site (docs/) at http://127.0.0.1:8000
+	$(BIN)/mkdocs serve
+
+docs-build:  ## build the documentation site into site/, every warning an error (CI runs it)
+	$(BIN)/mkdocs build --strict --quiet
 
 # benchmarks/results/*.{json,png} and profile.txt (benchmarks/README.md)
 bench:  ## the speed suite on CPU (about 20 minutes)
