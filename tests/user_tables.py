@@ -37,23 +37,24 @@ class DiabetesData(L.LightningDataModule):
 
 
 class TableMLP(nn.Module):
-    def __init__(self, features: int = 10, hidden: int = 32) -> None:
+    def __init__(self, features: int = 10, hidden: int = 32, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(features, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.out = nn.Linear(hidden, 1)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        return self.out(self.dropout(F.relu(self.fc2(F.relu(self.fc1(x))))))
 
 
 class Regressor(L.LightningModule):
     """forward squeezes the net's (N, 1) output to (N,), the targets' shape: the loss is wrong without it."""
 
-    def __init__(self, hidden: int = 32, lr: float = 0.01) -> None:
+    def __init__(self, hidden: int = 32, lr: float = 0.01, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = TableMLP(hidden=hidden)
+        self.net = TableMLP(hidden=hidden, dropout=dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x).squeeze(-1)

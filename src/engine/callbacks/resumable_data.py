@@ -1,0 +1,112 @@
+"""Any DataModule's training loader, made resumable mid-epoch and ordered alike on one device or many.
+
+A DataModule written the plain way returns `DataLoader(dataset, batch_size=..., shuffle=True)`. Lightning cannot
+resume such a loader mid-epoch (it warns, and a resumed run sees other batches), and under ddp or the pipeline it
+replaces the sampler with a DistributedSampler that always shuffles (shuffle=False is lost) and draws another order
+than one device's RandomSampler. Here, at setup, the DataModule's train_dataloader is answered with the same loader
+(dataset, batch size, workers, collate_fn, drop_last, ...) over engine.data.resumable's sampler: one permutation per
+epoch from the run's seed (or a seed drawn once and kept in the checkpoint under seed=null), cut into one shard per
+data-parallel process, shuffled or not as the user's loader was. So a run killed mid-epoch resumes at the next batch
+bit for bit, and ddp with a per-process batch of B/N takes the same samples per step as one device with B.
+
+Left as they are, with one line in the log: loaders with a sampler or batch sampler of their own, iterable data
+sets, loaders that keep their own state (state_dict), and loaders handed to `trainer.fit` directly rather than by
+a DataModule. torchdata's StatefulDataLoader would give the position but not the order: resumed at an epoch's end it
+yields an empty epoch, and resumed in a later epoch it replays the first epoch's permutation (its sampler iterator is
+built before Lightning sets the epoch).
+"""
+
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as L
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from engine.data.resumable import ResumableLoader, ResumableSampler
+
+log = logging.getLogger(__name__)
+
+# DataLoader arguments carried over as the user set them (the sampler and its batching are replaced)
+_KEPT = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def _left_as_is(loader: Any) -> str | None:
+    """Why a training loader cannot be remade here, or None when it can."""
+    if not isinstance(loader, DataLoader):
+        return f"a {type(loader).__name__}, not a DataLoader"
+    if callable(getattr(loader, "state_dict", None)):
+        return ""  # resumable already (ours, torchdata's, a user's own): nothing to say
+    if isinstance(loader.dataset, IterableDataset):
+        return "an iterable data set (its order is its own)"
+    if type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None:
+        return "a batch sampler of its own"
+    sampler = loader.sampler
+    plain = type(sampler) is SequentialSampler or (
+        type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(loader.dataset)
+    )
+    return None if plain else f"a sampler of its own ({type(sampler).__name__})"
+
+
+class ResumableData(L.Callback):
+    """See the module docstring. In conf/callbacks/checkpoints.yaml, beside the checkpoints it makes exact."""
+
+    def __init__(self) -> None:
+        self._seed: int | None = None
+        self._wrapped: Any = None  # the DataModule whose train_dataloader this callback answers
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        datamodule = getattr(trainer, "datamodule", None)
+        if stage != "fit" or datamodule is None or "train_dataloader" in vars(datamodule):
+            return
+        original = datamodule.train_dataloader
+
+        def train_dataloader() -> Any:
+            return self._resumable(original(), trainer)
+
+        datamodule.train_dataloader = train_dataloader  # an instance attribute, taken back at teardown
+        self._wrapped = datamodule
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._wrapped is not None:
+            vars(self._wrapped).pop("train_dataloader", None)
+            self._wrapped = None
+
+    def _order_seed(self, trainer: L.Trainer) -> int:
+        """The run's seed; under seed=null one drawn by rank 0 and shared (the shards split one permutation), kept
+        in every checkpoint by the loader."""
+        if self._seed is None:
+            seed = os.environ.get("PL_GLOBAL_SEED")
+            drawn = int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little")
+            self._seed = int(trainer.strategy.broadcast(drawn)) if trainer.world_size > 1 else drawn
+        return self._seed
+
+    def _resumable(self, loader: Any, trainer: L.Trainer) -> Any:
+        why = _left_as_is(loader)
+        if why is not None:
+            if why and trainer.is_global_zero:
+                log.info("The training loader is left as it is (%s): a resume starts its epoch over", why)
+            return loader
+        shards = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer.world_size > 1 else None
+        shuffle = isinstance(loader.sampler, RandomSampler)
+        sampler = ResumableSampler(
+            loader.dataset,
+            shuffle=shuffle,
+            seed=self._order_seed(trainer) if shuffle else 0,
+            **(shards or {"num_replicas": 1, "rank": 0}),
+        )
+        kept = {name: getattr(loader, name) for name in _KEPT}
+        if loader.num_workers > 0:
+            kept["prefetch_factor"] = loader.prefetch_factor
+        return ResumableLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, **kept)

@@ -1,0 +1,73 @@
+"""A user's own DataModule, written the plain way (tests/user_tables.py: `DataLoader(dataset, batch_size,
+shuffle=...)`), gets what the template's data gets (engine.callbacks.resumable_data): a run killed mid-epoch resumes
+bit for bit, shuffle=false holds under ddp, and ddp with half the batch per process takes one device's steps."""
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, cli_env, run_dirs, run_python
+
+pytestmark = pytest.mark.slow
+
+TABLE = [
+    "~model",
+    "+model._target_=user_tables.Regressor",
+    "+model.dropout=0.1",  # random state matters
+    "~data",
+    "+data._target_=user_tables.DiabetesData",
+    "monitor.metric=val/mse",
+    "monitor.mode=min",
+    "trainer.accelerator=cpu",
+    "logger=none",
+    "test=false",
+    "print_config=false",
+    "seed=3",
+]
+# 342 training rows: batches of 32 (10 of them, then 22) per epoch, 2 epochs; last.ckpt every 3 steps
+RUN = [
+    *TABLE,
+    "trainer.max_epochs=2",
+    "callbacks.last_checkpoint.every_n_steps=3",
+    "+callbacks.kill._target_=probes.KillAt",
+]
+
+
+def train(cwd: Path, *args: str, env: dict | None = None, check: bool = True):
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = run_python([sys.executable, str(REPO / "train.py"), *args], cwd, cli_env(**(env or {})))
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def last_weights(cwd: Path) -> dict[str, torch.Tensor]:
+    (run,) = run_dirs(cwd / "logs")
+    return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_a_plain_dataloader_resumes_mid_epoch_bit_for_bit(tmp_path):
+    train(tmp_path / "unbroken", *RUN)
+    killed = train(tmp_path / "killed", *RUN, env={"KILL_AT_STEP": "14"}, check=False)  # epoch 1, step 3 of 11
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    last = run / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 12  # mid-epoch
+    resumed = train(tmp_path / "resumed", *RUN, f"ckpt_path={last}")
+    assert "not resumable" not in resumed.stdout + resumed.stderr
+    want, got = last_weights(tmp_path / "unbroken"), last_weights(tmp_path / "resumed")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("shuffle", ["true", "false"])
+def test_ddp_with_half_the_batch_per_process_takes_one_devices_steps(tmp_path, shuffle):
+    """One seeded order cut into two shards: each step's two half batches are one device's batch. shuffle=false
+    stays unshuffled under ddp (Lightning's own sampler would shuffle)."""
+    table = [o for o in TABLE if o != "+model.dropout=0.1"] + [f"+data.shuffle={shuffle}", "trainer.max_epochs=2"]
+    train(tmp_path / "one", *table, "+data.batch_size=32")
+    train(tmp_path / "ddp", *table, "+data.batch_size=16", "trainer=ddp", "trainer.accelerator=cpu")
+    want, got = last_weights(tmp_path / "one"), last_weights(tmp_path / "ddp")
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0)
