@@ -54,7 +54,7 @@ def _left_as_is(loader: Any) -> str | None:
         return "a batch sampler of its own"
     sampler = loader.sampler
     plain = type(sampler) is SequentialSampler or (
-        type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(loader.dataset)
+        type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source)
     )
     return None if plain else f"a sampler of its own ({type(sampler).__name__})"
 
