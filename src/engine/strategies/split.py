@@ -14,6 +14,7 @@ opened up, torchvision's ResNet: conv1, bn1, relu, maxpool, layer1.0, layer1.1, 
 parameters it brings.
 """
 
+import dis
 import inspect
 import linecache
 import traceback
@@ -36,12 +37,40 @@ class Block:
     parameters: int  # of the parameters first used here
 
 
+def _asserting(frame: Any) -> bool:
+    """Whether the code of `frame` is at the test of an `assert` statement: the test's jump (taken when the test
+    holds) comes just before the load of AssertionError that the statement raises."""
+    instructions = list(dis.get_instructions(frame.f_code))
+    at = next((i for i, ins in enumerate(instructions) if ins.offset >= frame.f_lasti), None)
+    if at is None:
+        return False
+    for here, after in zip(instructions[at : at + 3], instructions[at + 1 : at + 4]):
+        if "JUMP" in here.opname and "IF_TRUE" in here.opname:
+            return after.opname == "LOAD_ASSERTION_ERROR" or (
+                after.opname == "LOAD_GLOBAL" and after.argval == "AssertionError"
+            )
+    return False
+
+
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer; `leaves` (class names or module names) are kept whole, like torch.nn's layers."""
+    """torch.fx's tracer; `leaves` (class names or module names) are kept whole, like torch.nn's layers.
+
+    What users write around their layers is tolerated where its meaning is clear: an `assert` on a traced value
+    (nanoGPT's `assert t <= self.block_size`) becomes torch._assert in the graph, checked when the stage runs
+    (torch.fx's own detection of asserts misses Python 3.11's bytecode); torch._check and torch._check_is_size
+    stay calls. Any other Python control flow on a traced value is still refused, with where it is."""
 
     def __init__(self, leaves: Sequence[str]) -> None:
-        super().__init__()
+        super().__init__(autowrap_functions=(torch._check, torch._check_is_size))
         self.leaves = set(leaves)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # past __bool__
+        if caller is not None and _asserting(caller):
+            self.create_proxy("call_function", torch._assert, (obj, "assertion in forward"), {})
+            return True
+        return super().to_bool(obj)
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         return (
