@@ -85,7 +85,9 @@ def _failure(net: nn.Module, tracer: _Tracer, error: Exception) -> UserError:
     inside = list(tracer.module_stack.values())
     module = f"{inside[-1][0]} ({inside[-1][1].__name__})" if inside else f"{type(net).__name__}.forward"
     where = ""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename]
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename and f.filename != __file__
+    ]
     if frames:
         frame = frames[-1]
         code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
