@@ -103,6 +103,6 @@ def test_train_on_a_folder_of_pngs_then_predict_with_its_class_names(cli, tmp_pa
     (predicted,) = run_dirs(tmp_path / "logs", task="predict")
     with open(predicted / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 20 and rows[0]["file"] == "0000.png"
+    assert len(rows) == 20 and rows[0]["name"] == "0000.png"
     assert list(rows[0])[2:] == [f"prob_digit_{d}" for d in range(10)]
     assert {r["predicted"] for r in rows} <= {f"digit_{d}" for d in range(10)}

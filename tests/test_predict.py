@@ -62,14 +62,15 @@ def test_the_spec_of_each_data_config():
     assert input_spec(folder) == InputSpec(3, 32, 48, (0.5,) * 3, (0.5,) * 3)
     with pytest.raises(UserError, match="may only name classes"):
         input_spec({"_target_": "os.system"})
-    with pytest.raises(UserError, match="does not say what its images look like"):
+    with pytest.raises(UserError, match="its inputs are not images that input= can read"):
         input_spec({"_target_": "engine.data.tensors.TensorDataModule"})
 
 
 def test_idx_images_are_normalized_exactly_as_training_did(tmp_path, digits):
     inputs = PredictInputs(str(write_idx_images(tmp_path / "x-idx3-ubyte", digits)), SPEC)
-    x, i = inputs[3]
-    assert i == 3 and inputs.names[3] == "x-idx3-ubyte[3]"
+    item = inputs[3]
+    x = item["input"]
+    assert item["name"] == inputs.names[3] == "x-idx3-ubyte[3]"
     assert torch.allclose(x, normalize(torch.from_numpy(digits[3:4]), MNIST_MEAN, MNIST_STD)[0], atol=1e-6)
 
 
@@ -82,9 +83,9 @@ def test_colour_transparent_and_larger_images_are_converted_like_the_training_da
     Image.fromarray(rgba, "RGBA").save(tmp_path / "c_alpha.png")
     inputs = PredictInputs(str(tmp_path), SPEC)
     assert inputs.names == ["a.png", "b_big_rgb.png", "c_alpha.png"]
-    original = inputs[0][0]
-    assert inputs[1][0].shape == (1, 28, 28) and (inputs[1][0] - original).abs().mean() < 0.1
-    assert (inputs[2][0] - original).abs().max() < 0.05  # composited onto black: the same digit
+    original = inputs[0]["input"]
+    assert inputs[1]["input"].shape == (1, 28, 28) and (inputs[1]["input"] - original).abs().mean() < 0.1
+    assert (inputs[2]["input"] - original).abs().max() < 0.05  # composited onto black: the same digit
     with pytest.raises(UserError, match=r"b_big_rgb.png is 56x56 pixels, the model takes 28x28"):
         PredictInputs(str(tmp_path), SPEC, resize=False)
 
@@ -114,8 +115,8 @@ def test_predict_writes_one_row_per_input_in_order_with_the_models_probabilities
     cli("predict.py", f"ckpt_path={checkpoint}", f"input={idx}", "batch_size=8")
     (run,) = run_dirs(tmp_path / "logs", task="predict")
     rows = read_csv(run / "predictions.csv")
-    assert [r["file"] for r in rows] == [f"t10k-images-idx3-ubyte[{i}]" for i in range(len(digits))]
-    assert list(rows[0]) == ["file", "predicted", *(f"prob_{c}" for c in range(10))]
+    assert [r["name"] for r in rows] == [f"t10k-images-idx3-ubyte[{i}]" for i in range(len(digits))]
+    assert list(rows[0]) == ["name", "predicted", *(f"prob_{c}" for c in range(10))]
     model, _ = load_model(str(checkpoint))
     with torch.no_grad():
         expected = model.eval()(normalize(torch.from_numpy(digits), MNIST_MEAN, MNIST_STD)).softmax(1).numpy()
@@ -136,7 +137,7 @@ def test_predict_writes_one_row_per_input_in_order_with_the_models_probabilities
     (ddp_run,) = run_dirs(ddp / "logs", task="predict")
     assert [p.name for p in ddp_run.glob("*.csv")] == ["predictions.csv"]
     ddp_rows = read_csv(ddp_run / "predictions.csv")
-    assert [r["file"] for r in ddp_rows] == [r["file"] for r in rows]
+    assert [r["name"] for r in ddp_rows] == [r["name"] for r in rows]
     assert np.abs(probabilities(ddp_rows) - probabilities(rows)).max() < 2e-6
 
 

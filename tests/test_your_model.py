@@ -68,13 +68,13 @@ def test_trains_resumes_evaluates_predicts_and_exports(cli, tmp_path, images, ki
     cli("predict.py", f"ckpt_path={best}", f"input={images}", *trust, env=TINY, cwd=tmp_path / "predict")
     (predicted,) = run_dirs(tmp_path / "predict" / "logs", task="predict")
     saved = torch.load(predicted / "predictions.pt", weights_only=True)
-    assert len(saved["files"]) == len(saved["outputs"]) == 30
+    assert len(saved["names"]) == len(saved["outputs"]) == 30
     with open(predicted / "predictions.csv") as f:
         header = next(csv.reader(f))
     if kind == "autoencoder":  # its predict_step: the 16 numbers of each image's code
-        assert header == ["file", *(f"output_{i}" for i in range(16))] and saved["outputs"].shape == (30, 16)
+        assert header == ["name", *(f"output_{i}" for i in range(16))] and saved["outputs"].shape == (30, 16)
     else:  # a classifier: class names and probabilities
-        assert header == ["file", "predicted", *(f"prob_{c}" for c in range(10))]
+        assert header == ["name", "predicted", *(f"prob_{c}" for c in range(10))]
         torch.testing.assert_close(saved["outputs"].sum(1), torch.ones(30))
 
     cli("export.py", f"ckpt_path={best}", f"output={tmp_path / 'model.onnx'}", *trust, env=TINY, cwd=tmp_path / "x")
@@ -173,18 +173,18 @@ def test_predict_runs_a_users_module_without_a_predict_step_on_its_images(cli, t
     saved = torch.load(predicted / "predictions.pt", weights_only=True)
     assert saved["outputs"].shape == (30, 3)  # each image's code, as its forward makes it
     with open(predicted / "predictions.csv") as f:
-        assert next(csv.reader(f)) == ["file", "output_0", "output_1", "output_2"]
+        assert next(csv.reader(f)) == ["name", "output_0", "output_1", "output_2"]
     # the module travels to ddp_spawn's workers as a pickle: the predict_step it was given goes with it
     import pickle
 
     from engine.runs.full_model import load_full_model
-    from engine.tasks.prediction import _predict_on_images
+    from engine.tasks.prediction import _predict_with_forward
 
     model, _ = load_full_model(str(last), ["user_models"])
-    _predict_on_images(model)
+    _predict_with_forward(model)
     spawned = pickle.loads(pickle.dumps(model))
     images = torch.rand(2, 1, 28, 28)
-    torch.testing.assert_close(spawned.predict_step((images, torch.arange(2)), 0), model(images))
+    torch.testing.assert_close(spawned.predict_step({"input": images, "name": ["a", "b"]}, 0), model(images))
 
 
 def test_resuming_a_users_module_with_other_arguments_is_refused_in_one_line(cli, tmp_path):

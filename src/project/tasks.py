@@ -42,9 +42,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 def predict(cfg: DictConfig) -> Any:
-    """A checkpoint's model on `input=`: its predict_step per batch, into <run>/predictions.pt and .csv."""
-    run = PredictRun(cfg)  # the checkpoint's model, and the inputs read as its training data was
+    """A checkpoint's model on its DataModule's predict_dataloader (or on `input=` images): its predict_step per
+    batch, into <run>/predictions.pt and predictions.csv."""
+    run = PredictRun(cfg)  # the checkpoint's model, and the data it predicts on
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c]
     trainer = run.trainer(cfg.trainer, callbacks)
-    trainer.predict(run.model, dataloaders=run.dataloader(trainer), return_predictions=False)
+    trainer.predict(run.model, datamodule=run.datamodule, return_predictions=False)
     return run.predicted(trainer)

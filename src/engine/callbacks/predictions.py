@@ -1,8 +1,12 @@
 """What `predict_step` returns, one entry per input in input order, written once by rank 0 whatever the strategy:
-predictions.pt always, and predictions.csv where each output is a short row of numbers.
+predictions.pt always (`names` and `outputs`), and where each output is a short row of numbers or a string,
+predictions.csv (and predictions.parquet where pyarrow is installed).
 
-Under ddp each rank predicts its own shard (Lightning's DistributedSampler, which pads the last shard by repeating
-inputs); every rank's (indices, outputs) are gathered on rank 0, which drops the repeats and puts them in order.
+Inputs are named where their batches say it: a batch that is a dict with a "name" entry (a list of strings: a file
+name, a row of a CSV, a prompt), as the template's data modules and predict.py's images give them. Under ddp each
+rank predicts its own shard (Lightning's DistributedSampler pads the last shard by repeating inputs); Lightning
+hands this writer each batch's indices into the data set, every rank's are gathered on rank 0, which drops the
+repeats and puts the outputs in order.
 """
 
 import csv
@@ -13,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -22,24 +27,27 @@ log = logging.getLogger(__name__)
 
 TENSORS = "predictions.pt"
 TABLE = "predictions.csv"
-SHORT = 32  # outputs of at most this many numbers per input get a CSV row; longer ones only the tensor file
+PARQUET = "predictions.parquet"
+SHORT = 32  # outputs of at most this many numbers per input get a table row; longer ones only the tensor file
 
 
 def _probabilities(rows: Tensor) -> bool:
     return bool((rows >= 0).all() and torch.allclose(rows.sum(1), torch.ones(len(rows)), atol=1e-3))
 
 
-def columns(outputs: Any, classes: Sequence[str] | None) -> tuple[list[str], list[list[str]]] | None:
-    """The CSV's header and its cells, or None when the outputs are not one short row of numbers per input.
-    A classifier (its class names known) gets `predicted` and `prob_<class>` (or `score_<class>` when the rows
-    are not probabilities)."""
-    if not isinstance(outputs, Tensor) or outputs.dim() not in (1, 2) or not outputs.is_floating_point():
+def columns(outputs: Any, classes: Sequence[str] | None) -> tuple[list[str], list[list[Any]]] | None:
+    """The table's header and its cells, or None when the outputs are not one short row per input: numbers (a
+    classifier, its class names known, gets `predicted` and `prob_<class>`, or `score_<class>` when the rows are not
+    probabilities) or strings (text a model wrote)."""
+    if isinstance(outputs, list) and all(isinstance(o, str) for o in outputs):
+        return ["output"], [[o] for o in outputs]
+    if not isinstance(outputs, Tensor) or outputs.dim() not in (1, 2) or outputs.dtype == torch.bool:
         return None
     rows = outputs.float().reshape(len(outputs), -1)
     if rows.shape[1] > SHORT and not classes:
         return None
-    cells = [[f"{v:.6g}" for v in row] for row in rows.tolist()]
-    if classes and rows.shape[1] == len(classes):
+    cells: list[list[Any]] = rows.tolist()
+    if classes and rows.shape[1] == len(classes) and outputs.is_floating_point():
         kind = "prob" if _probabilities(rows) else "score"
         best = rows.argmax(1).tolist()
         return ["predicted", *(f"{kind}_{c}" for c in classes)], [[classes[b], *c] for b, c in zip(best, cells)]
@@ -48,69 +56,106 @@ def columns(outputs: Any, classes: Sequence[str] | None) -> tuple[list[str], lis
     return [f"output_{i}" for i in range(rows.shape[1])], cells
 
 
-class PredictionsWriter(L.Callback):
-    """Collects what `predict_step` returns for batches of (inputs, indices) and writes `folder`/predictions.pt
-    (`files` and `outputs`: the outputs of every input stacked in input order, the structure predict_step returns)
-    and, where each output is a short row of numbers, predictions.csv (`file`, then the numbers)."""
+class PredictionsWriter(BasePredictionWriter):
+    """Collects every batch's outputs, indices and names; writes `folder`/predictions.pt (and the tables) at the
+    end. `classes`: a classifier's class names, for the table's columns."""
 
-    def __init__(self, folder: Path, names: Sequence[str], classes: Sequence[str] | None = None) -> None:
-        self.folder, self.names = folder, list(names)
+    def __init__(self, folder: Path, classes: Sequence[str] | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.folder = folder
         self.classes = list(classes) if classes else None
-        self.indices: list[Tensor] = []
+        self.indices: list[list[int]] = []
+        self.names: list[list[str] | None] = []
         self.outputs: list[Any] = []
 
-    def on_predict_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int, *_: Any
+    def write_on_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
-        self.indices.append(batch[1].detach().cpu())
-        self.outputs.append(tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, outputs))
-
-    def _gathered(self, trainer: L.Trainer) -> tuple[list[Tensor], list[Any]]:
-        if trainer.world_size < 2:
-            return self.indices, self.outputs
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(parts, (self.indices, self.outputs))  # shards differ in length: objects
-        return [i for p in parts for i in p[0]], [o for p in parts for o in p[1]]
+        if batch_indices is None or not len(batch_indices):
+            raise RuntimeError("predictions need a DataLoader with a batch sampler: Lightning gave no batch indices")
+        self.indices.append(list(batch_indices))
+        names = batch.get("name") if isinstance(batch, dict) else None
+        self.names.append([str(n) for n in names] if isinstance(names, (list, tuple)) else None)
+        self.outputs.append(tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, prediction))
 
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        indices, outputs = self._gathered(trainer)
+        parts = [(self.indices, self.names, self.outputs)]
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(gathered, parts[0])  # shards differ in length: objects
+            parts = gathered
         if not trainer.is_global_zero:
             return
-        merged = _in_input_order(torch.cat(indices), outputs, len(self.names))
+        indices = [i for p in parts for batch in p[0] for i in batch]
+        names: list[str | None] = []
+        for part in parts:
+            for batch_names, batch_indices in zip(part[1], part[0]):
+                names += batch_names if batch_names is not None else [None] * len(batch_indices)
+        outputs, order = _in_input_order(indices, [o for p in parts for o in p[2]])
+        named = [names[i] for i in order]
+        shown = [str(n) for n in named] if all(n is not None for n in named) else [str(i) for i in range(len(order))]
+        self._write(shown, outputs)
+
+    def _write(self, names: list[str], outputs: Any) -> None:
         fix = "free space on that disk, or set paths.log_dir"
-        write_file(self.folder / TENSORS, lambda part: torch.save({"files": self.names, "outputs": merged}, part), fix)
-        table = columns(merged, self.classes)
+        write_file(self.folder / TENSORS, lambda part: torch.save({"names": names, "outputs": outputs}, part), fix)
+        table = columns(outputs, self.classes)
         if table is None:
-            log.info(
-                "%s holds what predict_step returned for each input; no %s: its outputs are not one short row "
-                "of numbers per input",
-                TENSORS,
-                TABLE,
-            )
+            log.info("%s holds what predict_step returned for each input (not one short row each: no table)", TENSORS)
             return
         header, rows = table
 
-        def write_table(part: Path) -> None:
-            with open(part, "w", newline="") as f:
-                writer = csv.writer(f)  # cells as they are: a file name starting with "=" is not escaped
-                writer.writerow(["file", *header])
-                writer.writerows([name, *row] for name, row in zip(self.names, rows))
+        def write_csv(part: Path) -> None:
+            with open(part, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
+                writer = csv.writer(f)  # cells as they are: a name starting with "=" is not escaped
+                writer.writerow(["name", *header])
+                writer.writerows([name, *(_cell(c) for c in row)] for name, row in zip(names, rows))
 
-        write_file(self.folder / TABLE, write_table, fix)
+        write_file(self.folder / TABLE, write_csv, fix)
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            return
+        columns_ = {"name": names, **{h: [row[i] for row in rows] for i, h in enumerate(header)}}
+        table_ = pa.table({k: [_text(v) for v in vs] if k == "name" else vs for k, vs in columns_.items()})
+        write_file(self.folder / PARQUET, lambda part: pq.write_table(table_, part), fix)
 
 
-def _in_input_order(indices: Tensor, outputs: list[Any], count: int) -> Any:
-    """The batches' outputs as one structure of tensors, row i for input i (a repeated index repeats an input)."""
-    flat = [tree_flatten(out) for out in outputs]
-    if not flat or any(not isinstance(leaf, Tensor) or not leaf.dim() for leaf in flat[0][0]):
-        raise RuntimeError("predict_step must return a tensor (or a dict, tuple or list of tensors) per batch")
-    leaves = [torch.cat(parts) for parts in zip(*(leaves for leaves, _ in flat))]
+def _cell(value: Any) -> Any:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def _text(name: str) -> str:
+    """A name as Parquet's UTF-8 strings can hold it: a file name the file system gave in another encoding keeps
+    its bytes escaped."""
+    return name.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
+
+
+def _in_input_order(indices: list[int], outputs: list[Any]) -> tuple[Any, list[int]]:
+    """The batches' outputs as one structure, row i for the i-th distinct input index in index order (a repeated
+    index, ddp's padding, counts once), and the positions kept."""
     first: dict[int, int] = {}
-    for position, index in enumerate(indices.tolist()):
+    for position, index in enumerate(indices):
         first.setdefault(index, position)
-    if sorted(first) != list(range(count)):
-        raise RuntimeError(f"predictions for {len(first)} of {count} inputs")
-    order = torch.tensor([first[i] for i in range(count)])
-    return tree_unflatten([leaf[order] for leaf in leaves], flat[0][1])
+    order = [first[i] for i in sorted(first)]
+    if outputs and all(isinstance(o, (list, tuple)) and all(isinstance(s, str) for s in o) for o in outputs):
+        flat = [s for o in outputs for s in o]
+        return [flat[p] for p in order], order
+    leaves = [tree_flatten(out) for out in outputs]
+    if not leaves or any(not isinstance(leaf, Tensor) or not leaf.dim() for leaf in leaves[0][0]):
+        raise RuntimeError(
+            "predict_step must return, per batch, a tensor (or a dict, tuple or list of tensors) or a list of strings"
+        )
+    joined = [torch.cat(parts) for parts in zip(*(flat for flat, _ in leaves))]
+    take = torch.tensor(order)
+    return tree_unflatten([leaf[take] for leaf in joined], leaves[0][1]), order

@@ -7,7 +7,7 @@ a required key left out) is checked by `check_config`, first thing in every task
 """
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -113,10 +113,11 @@ class EvalConfig(RunConfig):
 class PredictConfig(RunConfig):
     task_name: str = "predict"
     ckpt_path: str = MISSING
-    input: str = MISSING  # a folder of images, one image, or an IDX file
+    input: Optional[str] = None  # images: a folder, one image, or an IDX file; None: the DataModule's predict data
+    data: Dict[str, Any] = field(default_factory=dict)  # over the checkpoint's data config: data.predict_path=...
     resize: bool = True  # images of another size: resized to the model's (false: refused)
-    batch_size: int = 256
-    num_workers: int = 0
+    batch_size: int = 256  # images per batch
+    num_workers: int = 0  # processes decoding images
     callbacks: Any = field(default_factory=dict)
 
 

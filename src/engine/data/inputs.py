@@ -9,11 +9,13 @@ import gzip
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as L
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from engine.data.images import as_channels, load_image, model_input
 from engine.data.spec import InputSpec
@@ -68,7 +70,7 @@ def _check_image(path: Path, shown: str, spec: InputSpec, resize: bool) -> None:
 
 
 class PredictInputs(Dataset):
-    """(model input, index) per image; `names[i]` says where image i came from (the CSV's `file` column)."""
+    """{"input": model input, "name": where it came from} per image (predictions.csv's `name` column)."""
 
     def __init__(self, path: str, spec: InputSpec, resize: bool = True) -> None:
         source = Path(path).expanduser()
@@ -104,11 +106,23 @@ class PredictInputs(Dataset):
     def __len__(self) -> int:
         return len(self.names)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         if self.pixels is not None:
             pixels = self.pixels[index]
         else:
             from torchvision.transforms.v2.functional import pil_to_tensor
 
             pixels = pil_to_tensor(load_image(self.files[index], self.spec.channels))
-        return self.transform(as_channels(pixels, self.spec.channels)), index
+        return {"input": self.transform(as_channels(pixels, self.spec.channels)), "name": self.names[index]}
+
+
+class ImageInputs(L.LightningDataModule):
+    """predict.py's `input=`: images as a model of images takes them, in batches, in order."""
+
+    def __init__(self, inputs: PredictInputs, batch_size: int, num_workers: int) -> None:
+        super().__init__()
+        self.inputs, self.batch_size, self.num_workers = inputs, batch_size, num_workers
+
+    def predict_dataloader(self) -> DataLoader:
+        pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        return DataLoader(self.inputs, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=pin)

@@ -50,10 +50,23 @@ def of_module(module: Any) -> InputSpec | None:
     return spec
 
 
+def images_of(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> InputSpec | None:
+    """What the images of the data module `data` look like, or None for data that says nothing of images (rows of
+    a table, text): its modules have no `input_spec`."""
+    if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
+        return None
+    checkpoints.check_buildable(data, where, kind="data", trusted=trusted)
+    import hydra
+
+    if not inspect.ismethod(getattr(hydra.utils.get_class(data["_target_"]), "input_spec", None)):
+        return None
+    return input_spec(data, where, trusted)
+
+
 def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> InputSpec:
     """The input of a model trained on the data module `data` (a plain config dict, as a checkpoint holds).
 
-    Other data modules say it themselves with a classmethod `input_spec(config: dict) -> InputSpec`."""
+    Data modules of images say it themselves with a classmethod `input_spec(config: dict) -> InputSpec`."""
     if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
         raise UserError(f"{where}: holds no data config, so the model's input size and normalization are unknown")
     checkpoints.check_buildable(data, where, kind="data", trusted=trusted)  # imports nothing outside those
@@ -64,8 +77,9 @@ def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> I
     method = getattr(cls, "input_spec", None)
     if not inspect.ismethod(method):
         raise UserError(
-            f"{where}._target_={target}: does not say what its images look like; give it a classmethod "
-            "`input_spec(config) -> engine.data.spec.InputSpec` (README: Add your data set)"
+            f"{where}._target_={target}: its inputs are not images that input= can read (it has no classmethod "
+            "`input_spec(config) -> engine.data.spec.InputSpec`); predict on what its DataModule's "
+            "predict_dataloader gives instead: leave out input= (and set what to predict on: data.<key>=...)"
         )
     try:
         return method(data)

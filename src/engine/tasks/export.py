@@ -4,8 +4,10 @@ that runs without this project: ONNX (onnxruntime, any language) or torch.export
 The file goes beside the checkpoint (<checkpoint name>.onnx or .pt2) unless `output=` names another path;
 the run dir keeps export.json (what was written, the input it takes, the largest difference from PyTorch).
 A model of images takes uint8 pixels (N, C, H, W), 0-255, any N; a classifier returns logits (N, num_classes),
-another module whatever its forward returns (`output`). A module that is not about images exports on its
-`example_input_array`, as it is.
+another module whatever its forward returns (`output`). A module of anything else (rows of a table, tokens of
+text) exports as it is, on its `example_input_array`, else on one batch of its checkpoint's DataModule (the
+predict_dataloader's inputs, or the first of a validation batch). The batch dimension is dynamic; for integer
+inputs (tokens), the second too, up to the example's length: a GPT exports for any prompt up to its context.
 """
 
 import json
@@ -57,18 +59,28 @@ def example_pixels(spec: Any, n: int, seed: int = 0) -> Any:
     return torch.randint(0, 256, (n, spec.channels, spec.height, spec.width), dtype=torch.uint8, generator=generator)
 
 
+def dynamic_dims(example: Any) -> dict[int, Any]:
+    """The dimensions the exported file takes in any size: the batch; for integer inputs (tokens) the sequence too,
+    up to the example's length."""
+    import torch
+
+    dims = {0: torch.export.Dim("batch")}
+    if not example.is_floating_point() and example.dim() >= 2 and example.shape[1] > 2:
+        dims[1] = torch.export.Dim("sequence", min=2, max=int(example.shape[1]))
+    return dims
+
+
 def write_onnx(module: Any, example: Any, path: Path, classes: list[str], input_name: str, output_name: str) -> None:
     import onnx
     import torch
 
-    batch = torch.export.Dim("batch")
     program = torch.onnx.export(
         module,
         (example,),
         dynamo=True,
         input_names=[input_name],
         output_names=[output_name],
-        dynamic_shapes=({0: batch},),
+        dynamic_shapes=(dynamic_dims(example),),
         verbose=False,
     )
     assert program is not None
@@ -84,7 +96,7 @@ def write_torch_export(
 ) -> None:
     import torch
 
-    program = torch.export.export(module, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    program = torch.export.export(module, (example,), dynamic_shapes=(dynamic_dims(example),))
     torch.export.save(program, str(path), extra_files={"classes.json": json.dumps(classes)})
 
 
@@ -109,9 +121,35 @@ def max_difference(module: Any, path: Path, fmt: str, inputs: Any, input_name: s
         return float((run_exported(path, fmt, inputs, input_name, output_name) - module(inputs)).abs().max())
 
 
-def _example(model: Any, spec: Any) -> tuple[Any, Any, str]:
+def _batch_input(batch: Any) -> Any:
+    return batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def _example_from_data(model: Any, train_config: dict, trusted: list[str]) -> Any:
+    """One batch of the checkpoint's own DataModule: its predict_dataloader's inputs, else a validation batch's."""
+    import hydra
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    data = train_config.get("data")
+    if not isinstance(data, dict):
+        return None
+    checkpoints.check_buildable(data, "data", kind="data", trusted=trusted)
+    try:
+        datamodule = hydra.utils.instantiate(data)
+        if is_overridden("predict_dataloader", datamodule):
+            datamodule.setup("predict")
+            return _batch_input(next(iter(datamodule.predict_dataloader())))
+        datamodule.setup("validate")
+        return _batch_input(next(iter(datamodule.val_dataloader())))
+    except Exception as e:  # the data is not on this machine, or its loader needs more: the one-line refusal follows
+        log.info("No example batch from the checkpoint's data (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _example(model: Any, spec: Any, train_config: dict, trusted: list[str]) -> tuple[Any, Any, str]:
     """(the module to export, its example input, the input's name): uint8 pixels with the normalization inside
-    for a model of images, else the module as it is on its `example_input_array`."""
+    for a model of images, else the module as it is on its `example_input_array` or one batch of its data. A batch
+    of one is taken twice: torch.export would make a size-1 batch dimension a constant."""
     import torch
 
     from engine.tasks.pixels import RawPixels
@@ -120,10 +158,14 @@ def _example(model: Any, spec: Any) -> tuple[Any, Any, str]:
         return RawPixels(model, spec.mean, spec.std).eval(), example_pixels(spec, 2), INPUT_NAME
     example = getattr(model, "example_input_array", None)
     if not isinstance(example, torch.Tensor) or not example.dim():
+        example = _example_from_data(model, train_config, trusted)
+    if not isinstance(example, torch.Tensor) or not example.dim():
         raise UserError(
-            f"{type(model).__name__} has no input to export on: give it an `input_spec` (images) or an "
-            "`example_input_array` (one batched tensor) (README, Add your model)"
+            f"{type(model).__name__} has no input to export on: give it an `example_input_array` (one batched "
+            "tensor), or give its DataModule a predict_dataloader (docs: your model)"
         )
+    if len(example) == 1:
+        example = torch.cat([example, example])
     return model.eval(), example, "input"
 
 
@@ -131,8 +173,9 @@ def export(cfg: DictConfig) -> Path:
     """Returns the path of the exported file."""
     import torch
 
+    from engine.data import spec as spec_module
     from engine.runs.full_model import load_full_model
-    from engine.tasks.prediction import class_names, input_spec_of
+    from engine.tasks.prediction import class_names
 
     if cfg.format not in SUFFIXES:
         raise UserError(f"format={cfg.format}: one of {', '.join(SUFFIXES)}")
@@ -140,14 +183,11 @@ def export(cfg: DictConfig) -> Path:
     path = target_path(cfg)
     check_target(path, SUFFIXES[cfg.format], cfg.overwrite)
     model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
-    try:
-        spec = input_spec_of(model, train_config, cfg)
-    except UserError:
-        if getattr(model, "example_input_array", None) is None:
-            raise
-        spec = None  # not images: the module's own example input
+    spec = spec_module.of_module(model) or spec_module.images_of(
+        train_config.get("data"), where=f"ckpt_path={cfg.ckpt_path}: data", trusted=cfg.trusted_packages
+    )  # None: not images; the module's own example input
     make_output_dirs(cfg)
-    module, example, input_name = _example(model, spec)
+    module, example, input_name = _example(model, spec, train_config, list(cfg.trusted_packages))
     classes = class_names(model, cfg.ckpt_path, train_config)
     output_name = OUTPUT_NAME if classes else "output"
     with torch.no_grad():
@@ -155,8 +195,10 @@ def export(cfg: DictConfig) -> Path:
     if not isinstance(output, torch.Tensor):
         raise UserError(f"{type(model).__name__}.forward returns {type(output).__name__}: export needs one tensor")
     writer = write_onnx if cfg.format == "onnx" else write_torch_export
-    # another batch size than the example's: the batch dimension must really be dynamic
+    # another batch size than the example's (and a shorter sequence): the dynamic dimensions must really be so
     other = example_pixels(spec, 5, seed=1) if spec is not None else torch.cat([example] * 3)[:5]
+    if 1 in dynamic_dims(example):
+        other = other[:, : max(2, other.shape[1] // 2)]
     difference: float | None = None
 
     def write_and_check(partial: Path) -> None:
@@ -170,7 +212,9 @@ def export(cfg: DictConfig) -> Path:
                 )
 
     write_file(path, write_and_check, "pass output=<a writable path on a disk with room>")
-    shape = ["N", spec.channels, spec.height, spec.width] if spec is not None else ["N", *example.shape[1:]]
+    shape: list[Any] = ["N", spec.channels, spec.height, spec.width] if spec is not None else ["N", *example.shape[1:]]
+    if spec is None and 1 in dynamic_dims(example):
+        shape[1] = f"T <= {example.shape[1]}"  # tokens: any length up to the example's
     summary = {
         "path": str(path.resolve()),
         "format": cfg.format,

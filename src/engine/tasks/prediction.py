@@ -1,15 +1,17 @@
-"""The prediction task: a checkpoint's model on a folder of images, one image or an IDX file, through the module's
-own `predict_step` and `trainer.predict`, into <run>/predictions.pt and predictions.csv
-(engine.callbacks.predictions)."""
+"""What a prediction needs around the user's task (project.tasks.predict): the checkpoint's model, and what to
+predict on: the checkpoint's own DataModule's predict_dataloader (any task: rows of a table, prompts of a text
+model, ...), or with `input=` images for a model of images. The module's own `predict_step` runs through
+`trainer.predict`; engine.callbacks.predictions writes <run>/predictions.pt and predictions.csv."""
 
 import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine import build
 from engine.errors import RunEnded, UserError
+from engine.runs import checkpoints
 from engine.runs.dirs import make_output_dirs
 from engine.sweeps import jobs as sweeps
 from engine.tasks.numerics import set_matmul_precision
@@ -41,43 +43,75 @@ def input_spec_of(model: Any, config: dict, cfg: DictConfig) -> Any:
     )
 
 
-def _forward_on_images(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """The predict_step of a module that defines none: its forward on the batch's images."""
-    return module(batch[0])
+def _forward_on_inputs(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """The predict_step of a module that defines none: its forward on the batch's inputs."""
+    return module(
+        batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+    )
 
 
-def _predict_on_images(model: Any) -> None:
-    """Lightning's own predict_step hands forward the whole batch, here (images, indices), which no forward takes:
-    a module without a predict_step of its own predicts with its forward on the images."""
+def _predict_with_forward(model: Any) -> None:
+    """Lightning's own predict_step hands forward the whole batch, here {"input": ..., "name": ...}, which no forward
+    takes: a module without a predict_step of its own predicts with its forward on the inputs."""
     import functools
 
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     if not is_overridden("predict_step", model):  # a partial: it pickles with the module (ddp_spawn's workers)
-        model.predict_step = functools.partial(_forward_on_images, model)
+        model.predict_step = functools.partial(_forward_on_inputs, model)
+
+
+def _data_config(cfg: DictConfig, train_config: dict) -> DictConfig:
+    """The checkpoint's data config, with this command's `data.<key>=...` over it where not null (what to predict on:
+    predict.yaml lists the template's keys as null)."""
+    stored = train_config.get("data")
+    if not isinstance(stored, dict):
+        raise UserError(f"ckpt_path={cfg.ckpt_path}: holds no data config to predict with; pass input=<images>")
+    checkpoints.check_buildable(stored, "data", kind="data", trusted=cfg.trusted_packages)
+    given = {key: value for key, value in (cfg.data or {}).items() if value is not None}
+    merged = OmegaConf.merge(OmegaConf.create(stored), OmegaConf.create(given))
+    build.check_options(merged, "data")
+    return merged  # type: ignore[return-value]
 
 
 class PredictRun:
-    """`model`: the checkpoint's LightningModule with all its weights (a sharded checkpoint's gathered), in eval mode;
-    `inputs`: what `input=` names, read as the model's training data was."""
+    """`model`: the checkpoint's LightningModule with all its weights (a sharded checkpoint's gathered), in eval mode.
+    `datamodule`: what to predict on: with `input=`, those images read as the model's training data was; else the
+    checkpoint's own DataModule (its config with this command's `data.<key>=...` over it, its saved state loaded),
+    whose predict_dataloader says what to predict on."""
 
     def __init__(self, cfg: DictConfig) -> None:
         if cfg.batch_size < 1 or cfg.num_workers < 0:
             raise UserError(f"batch_size={cfg.batch_size}, num_workers={cfg.num_workers}: need >= 1 and >= 0")
-        if not Path(cfg.input).expanduser().exists():  # before the checkpoint is read: the cheap mistake first
+        if cfg.input is not None and not Path(cfg.input).expanduser().exists():  # the cheap mistake first
             raise UserError(
                 f"input={cfg.input}: no such file or folder; pass a folder of images, an image or an IDX file"
             )
-        from engine.data.inputs import PredictInputs
-        from engine.runs.full_model import load_full_model
+        from engine.runs.full_model import datamodule_state, load_full_model
 
         seed_run(cfg.seed)
         set_matmul_precision(cfg.float32_matmul_precision)
         self.cfg = cfg
         self.model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
-        _predict_on_images(self.model)
-        self.inputs = PredictInputs(cfg.input, input_spec_of(self.model, train_config, cfg), resize=cfg.resize)
+        _predict_with_forward(self.model)
         self._classes = class_names(self.model, cfg.ckpt_path, train_config)
+        if cfg.input is not None:
+            from engine.data.inputs import ImageInputs, PredictInputs
+
+            inputs = PredictInputs(cfg.input, input_spec_of(self.model, train_config, cfg), resize=cfg.resize)
+            self.datamodule: Any = ImageInputs(inputs, cfg.batch_size, cfg.num_workers)
+        else:
+            self.datamodule = build.instantiate(_data_config(cfg, train_config), "data")
+            from lightning.pytorch.utilities.model_helpers import is_overridden
+
+            if not is_overridden("predict_dataloader", self.datamodule):
+                raise UserError(
+                    f"{type(self.datamodule).__name__} has no predict_dataloader to say what to predict on: give it "
+                    "one (docs: your data), or pass input=<images> for a model of images"
+                )
+            state = datamodule_state(cfg.ckpt_path, train_config)
+            if state and callable(getattr(self.datamodule, "load_state_dict", None)):
+                self.datamodule.load_state_dict(state)  # what it learned in training (a table's statistics)
         build.check(cfg)
         make_output_dirs(cfg)
         self.output_dir = Path(cfg.paths.output_dir)
@@ -87,27 +121,14 @@ class PredictRun:
         order, whatever the strategy) after `callbacks`."""
         from engine.callbacks.predictions import PredictionsWriter
 
-        writer = PredictionsWriter(self.output_dir, self.inputs.names, self._classes)
+        writer = PredictionsWriter(self.output_dir, self._classes)
         trainer = build.trainer(trainer_cfg, [*callbacks, writer], [], self.cfg.launch, speedups=self.cfg.speedups)
         if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
             sweeps.run_job_in_fresh_process(None)
             raise RunEnded(self.output_dir)
         return trainer
 
-    def dataloader(self, trainer: Any) -> Any:
-        """The inputs in batches of `batch_size`, in order."""
-        from torch.utils.data import DataLoader
-
-        return DataLoader(
-            self.inputs,
-            batch_size=self.cfg.batch_size,
-            shuffle=False,
-            num_workers=self.cfg.num_workers,
-            persistent_workers=False,
-            pin_memory=trainer.strategy.root_device.type == "cuda",
-        )
-
     def predicted(self, trainer: Any) -> Path:
         if trainer.is_global_zero:
-            log.info("Predicted %d inputs into %s", len(self.inputs), self.output_dir)
+            log.info("Predictions in %s", self.output_dir)
         return self.output_dir

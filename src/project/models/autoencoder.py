@@ -50,7 +50,7 @@ class AutoEncoder(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         """The latent code of each image (predict.py writes one row of `latent` numbers per input)."""
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        x = batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.encoder(x).float()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -110,10 +110,10 @@ class ImageClassifier(L.LightningModule):
         self.log("test/loss", self.test_loss)
         self.log("test/acc", self.test_acc)
 
-    def predict_step(self, batch: Tensor | tuple[Tensor, ...] | list[Tensor], batch_idx: int) -> Tensor:
-        """Class probabilities (N, num_classes) for a batch of images, alone or first of a tuple (images with
-        labels or indices), as float32 also under mixed precision: what predict.py writes per image."""
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """Class probabilities (N, num_classes) for a batch of images (predict.py's {"input": ..., "name": ...}, or
+        the images alone or first of a tuple), as float32 also under mixed precision: what predict.py writes."""
+        x = batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x).float().softmax(dim=1)
 
     def configure_optimizers(self) -> Any:
