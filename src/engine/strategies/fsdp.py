@@ -37,6 +37,7 @@ class FSDPStrategy(ModelParallelStrategy):
     def __init__(
         self,
         units: list[str] | None = None,
+        activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -49,6 +50,7 @@ class FSDPStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.units = [str(u) for u in units] if units else None
+        self.activation_checkpointing = activation_checkpointing
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's "auto" makes the mesh nodes x devices (devices for tensor parallelism);
@@ -86,7 +88,8 @@ class FSDPStrategy(ModelParallelStrategy):
         """Shard `net` over this strategy's mesh: called by a LightningModule's configure_model that hands its net
         over (ImageClassifier does, to compile after sharding), else by setup. Idempotent."""
         assert self.lightning_module is not None
-        parallelize.shard(self.lightning_module, net, self.device_mesh["data_parallel"], self.units)
+        mesh = self.device_mesh["data_parallel"]
+        parallelize.shard(self.lightning_module, net, mesh, self.units, self.activation_checkpointing)
 
     def setup(self, trainer: Any) -> None:
         """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of

@@ -210,15 +210,24 @@ def _tied_together(units: list[nn.Module]) -> list[list[nn.Module]]:
     return [group for group in groups if group]
 
 
-def shard(module: nn.Module, net: nn.Module, mesh: Any, units: Sequence[str] | None = None) -> None:
+def shard(
+    module: nn.Module, net: nn.Module, mesh: Any, units: Sequence[str] | None = None, recompute: bool = False
+) -> None:
     """FSDP2 over the LightningModule's net: each unit, then the net (its remaining parameters: stem, head).
     When the net is the LightningModule itself, its top-level children are sharded instead of it, so that a
-    training_step calling `self.encoder(x)` directly still gathers what it uses. Idempotent."""
+    training_step calling `self.encoder(x)` directly still gathers what it uses. `recompute`: each unit's
+    activations are not kept for the backward but computed again there (activation checkpointing per unit: less
+    memory for one more forward of each unit). Idempotent."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if any(isinstance(m, FSDPModule) for m in net.modules()):
         return
     found = fsdp_units(net, units)
+    if recompute:
+        from torch.distributed._composable import checkpoint
+
+        for _, unit in found:
+            checkpoint(unit)
     kinds: dict[str, int] = {}
     for _, unit in found:
         kinds[type(unit).__name__] = kinds.get(type(unit).__name__, 0) + 1
@@ -244,6 +253,6 @@ def shard(module: nn.Module, net: nn.Module, mesh: Any, units: Sequence[str] | N
                 roots.append(name)
     rank_zero_info(
         f"fsdp: {len(found)} unit(s) ({', '.join(f'{k} x{v}' for k, v in kinds.items()) or 'none'}) and "
-        f"{', '.join(roots) or 'nothing'} holding the rest ({len(rest)} parameter tensors); "
-        "trainer.strategy.units=[...] chooses others"
+        f"{', '.join(roots) or 'nothing'} holding the rest ({len(rest)} parameter tensors)"
+        f"{'; each unit recomputed in the backward' if recompute else ''}; trainer.strategy.units=[...] chooses others"
     )

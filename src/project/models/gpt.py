@@ -30,10 +30,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, steps, channels = x.shape
-        q, k, v = (
-            t.view(batch, steps, self.n_head, channels // self.n_head).transpose(1, 2)
-            for t in self.qkv(x).split(channels, dim=2)
-        )
+        heads = (batch, steps, self.n_head, channels // self.n_head)
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        q, k, v = q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2), v.view(heads).transpose(1, 2)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, steps, channels))

@@ -1,0 +1,96 @@
+"""The table example (experiment=diabetes: project.models.regressor on project.data.tables) through the template, at
+the test profile's sizes: one device, eval, predict on a CSV of rows, export, ddp, pipe, a sweep."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_dirs
+
+pytestmark = pytest.mark.slow
+
+TINY = {"PROJECT_PROFILE": "tiny"}
+TABLE = ["experiment=diabetes", "print_config=false"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    from conftest import REPO, cli_env, run_python
+
+    work = tmp_path_factory.mktemp("table")
+    proc = run_python([__import__("sys").executable, str(REPO / "train.py"), *TABLE], work, cli_env(**TINY))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = run_dirs(work / "logs")
+    return run
+
+
+def best(run: Path) -> Path:
+    (path,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    return path
+
+
+def test_it_trains_and_evaluates_on_its_own_metric(cli, tmp_path, trained):
+    fit = json.loads((trained / "fit_metrics.json").read_text())
+    assert fit["status"] == "ok" and fit["best/val/mse"] == pytest.approx(min(fit["val/mse"], fit["best/val/mse"]))
+    cli("eval.py", f"ckpt_path={best(trained)}", "print_config=false", env=TINY)
+    (evaluated,) = run_dirs(tmp_path / "logs", task="eval")
+    ours = json.loads((evaluated / "test_metrics.json").read_text())
+    assert ours["test/mse"] == pytest.approx(json.loads((trained / "test_metrics.json").read_text())["test/mse"])
+
+
+def test_it_scores_the_rows_of_a_csv(cli, tmp_path, trained):
+    """The features standardized with the training rows' statistics, which the checkpoint holds."""
+    from project.data.tables import read_diabetes
+
+    columns, x, _ = read_diabetes()
+    rows = tmp_path / "rows.csv"
+    with open(rows, "w", newline="") as f:
+        csv.writer(f).writerows([columns, *x[:3].tolist()])
+    cli("predict.py", f"ckpt_path={best(trained)}", f"data.predict_path={rows}", "print_config=false", env=TINY)
+    (predicted,) = run_dirs(tmp_path / "logs", task="predict")
+    saved = torch.load(predicted / "predictions.pt", weights_only=True)
+    assert saved["names"] == ["row 1", "row 2", "row 3"] and saved["outputs"].shape == (3,)
+    ckpt = torch.load(best(trained), weights_only=True)
+    stats = ckpt["TableDataModule"]
+    from engine.runs.full_model import load_model
+
+    model, _ = load_model(str(best(trained)))
+    with torch.no_grad():
+        want = model.eval()((x[:3] - stats["mean"]) / stats["std"])
+    torch.testing.assert_close(saved["outputs"], want)
+    with open(predicted / "predictions.csv") as f:
+        assert [r["name"] for r in csv.DictReader(f)] == ["row 1", "row 2", "row 3"]
+    assert (predicted / "predictions.parquet").is_file()
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torch_export"])
+def test_it_exports_for_any_number_of_rows(cli, tmp_path, trained, fmt):
+    out = tmp_path / ("model.onnx" if fmt == "onnx" else "model.pt2")
+    cli("export.py", f"ckpt_path={best(trained)}", f"format={fmt}", f"output={out}", "print_config=false", env=TINY)
+    (exported,) = run_dirs(tmp_path / "logs", task="export")
+    summary = json.loads((exported / "export.json").read_text())
+    assert summary["input"]["shape"] == ["N", 10] and summary["max_abs_difference"] <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["trainer=ddp", "trainer.accelerator=cpu"],
+        ["trainer=pipe", "trainer.accelerator=cpu", "trainer.strategy.split_points=[layers.3]"],
+    ],
+    ids=["ddp", "pipe"],
+)
+def test_it_trains_under_ddp_and_pipe(cli, tmp_path, strategy):
+    cli("train.py", *TABLE, *strategy, env=TINY)
+    (run,) = run_dirs(tmp_path / "logs")
+    assert json.loads((run / "fit_metrics.json").read_text())["status"] == "ok"
+
+
+def test_a_sweep_over_its_learning_rate(cli, tmp_path):
+    cli("train.py", "-m", *TABLE, "model.optimizer.lr=0.01,0.001", "test=false", env=TINY)
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    with open(sweep / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["best/val/mse"] for r in rows)
