@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
-    """`python train.py model=mlp` and a sweep `-m model=mlp seed=1,2` in a fresh directory, at the test
-    profile's size."""
+    """`python train.py model=mlp`, a sweep `-m model=mlp seed=1,2`, and the table regression (under task_name=table)
+    in a fresh directory, at the test profile's size."""
     work = tmp_path_factory.mktemp("work")
-    for args in (["model=mlp"], ["-m", "model=mlp", "seed=1,2"]):
+    for args in (["model=mlp"], ["-m", "model=mlp", "seed=1,2"], ["experiment=diabetes", "task_name=table"]):
         proc = run_python([sys.executable, str(REPO / "train.py"), *args], work, cli_env(PROJECT_PROFILE="tiny"))
         assert proc.returncode == 0, proc.stderr[-3000:]
     return work / "logs"
@@ -77,7 +77,9 @@ def test_the_server_shows_the_runs_by_name_with_their_scalars(server, logs):
     run, name = single_run(logs)
     (sweep,) = (logs / "train" / "multiruns").iterdir()
     jobs = [f"train/multiruns/{sweep.name}/{n}/tensorboard/model=mlp,seed={n + 1}" for n in (0, 1)]
-    assert sorted(get(f"{server}/data/runs")) == sorted([name, *jobs])  # a sweep job's name says what it changed
+    (table,) = run_dirs(logs, task="table")
+    table_run = f"table/runs/{table.name}/tensorboard"
+    assert sorted(get(f"{server}/data/runs")) == sorted([name, *jobs, table_run])  # a sweep job's name: its change
     tags = set(get(f"{server}/data/plugin/scalars/tags")[name])
     assert {"train/loss_step", "train/acc", "val/acc", "val/acc_best", "test/acc", "test/loss", "lr-Adam"} <= tags
     assert "hp_metric" not in tags
@@ -104,7 +106,7 @@ def test_hparams_shows_what_people_vary_with_the_real_final_metrics(server, logs
     statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]
     request = {"experimentName": "", "allowedStatuses": statuses, "colParams": [], "startIndex": 0, "sliceSize": 10}
     groups = post(f"{server}/data/plugin/hparams/session_groups", request)["sessionGroups"]
-    assert sorted(g["hparams"].get("seed") for g in groups) == [1, 2, 12345]  # the sweep's jobs beside the run
+    assert sorted(g["hparams"].get("seed") for g in groups) == [1, 2, 12345, 12345]  # the sweep's jobs, the table
     (group,) = [g for g in groups if g["name"] == f"train/runs/{run.name}/tensorboard"]
     assert group["hparams"]["model"] == "mlp"
     shown = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
@@ -114,6 +116,12 @@ def test_hparams_shows_what_people_vary_with_the_real_final_metrics(server, logs
     }
     for metric in ("val/acc_best", "test/acc", "test/loss"):
         assert shown[metric] == pytest.approx(final[metric])  # the run's value, never a -1 placeholder
+    # the regression's own metrics, not a classifier's list: every run's scalars are metrics
+    (table,) = run_dirs(logs, task="table")
+    (group,) = [g for g in groups if g["name"] == f"table/runs/{table.name}/tensorboard"]
+    shown = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
+    assert group["hparams"]["model"] == "regressor" and "model.optimizer.lr" in group["hparams"]
+    assert shown["test/mse"] == pytest.approx(json.loads((table / "test_metrics.json").read_text())["test/mse"])
 
 
 def test_screenshots_need_chromium_and_say_so(logs, tmp_path):

@@ -4,7 +4,10 @@ Lightning's logger lists every key of the run config (76 here, paths and callbac
 `hp_metric = -1` whenever the hyper-parameters are logged again (by `trainer.test`), which is the value
 TensorBoard then shows. Here the HParams summary is written once per run: the config groups chosen
 (`model=mlp`), a short list of values (learning rate, batch size, seed, devices, ...) and whatever the command
-line overrode; its metrics are declared by name, and TensorBoard reads their values from the run's own scalars.
+line overrode. Only the run's own session is written, not an experiment that declares its metrics: TensorBoard
+then shows every scalar of every run as a metric (a classifier's val/acc, a regression's val/mse) and the hyper-
+parameters of all runs together; an experiment declared by one run would stand for all of them (TensorBoard takes
+the first it finds), with that run's metric names and settings alone.
 """
 
 import os
@@ -104,7 +107,8 @@ def leave_writer_disk_errors_to_the_run() -> None:
 
 
 class TensorBoardLogger(LightningTensorBoardLogger):
-    """`hparams`: dotted keys of the run config shown in the HParams tab; `metrics`: the metrics beside them."""
+    """`hparams`: dotted keys of the run config shown in the HParams tab beside the groups chosen and the keys the
+    command line set; the metrics beside them are the run's own scalars."""
 
     def __init__(
         self,
@@ -112,7 +116,6 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         name: str = "",
         version: str | None = None,
         hparams: Sequence[str] = (),
-        metrics: Sequence[str] = (),
         log_graph: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -126,7 +129,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         use_fast_checksums()
         leave_writer_disk_errors_to_the_run()
         super().__init__(save_dir, name=name, version=version, log_graph=log_graph, default_hp_metric=False, **kwargs)
-        self.hparam_keys, self.metric_names = list(hparams), list(metrics)
+        self.hparam_keys = list(hparams)
         self._summary_written = False
         self._hparams_file_written = False
         self._flush_secs = float(flush_secs)
@@ -160,10 +163,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
             value = _lookup(params, key)
             if value is not None and key not in shown:
                 shown[key] = _scalar(value)
-        summaries = hparams(shown, {name: 0.0 for name in self.metric_names})
-        writer = self.experiment._get_file_writer()
-        for summary in summaries:
-            writer.add_summary(summary)
+        _, session_start, _ = hparams(shown, {})
+        self.experiment._get_file_writer().add_summary(session_start)
         self._summary_written = True
 
     @rank_zero_only
