@@ -38,7 +38,8 @@ def test_the_lr_finder_on_a_users_net_writes_its_plot_and_the_override_and_train
     assert len(report["lr"]) == len(report["loss"]) == 100  # tune.num_training steps, not the profile's epochs
     assert f"train with: python train.py {report['override']}" in proc.stdout + proc.stderr
     assert _png_size(run / "lr_find.png")[0] >= 400
-    assert not (run / "fit_metrics.json").exists() and not list((run / "checkpoints").iterdir())
+    assert not (run / "fit_metrics.json").exists() and not (run / "checkpoints").exists()  # no empty folders either
+    assert not [p for p in run.rglob("*") if p.is_dir() and not any(p.iterdir())]
     assert not list(tmp_path.rglob(".lr_find*")) and not (run / ".tune").exists()  # Lightning's scratch checkpoint
 
 

@@ -36,7 +36,7 @@ from engine.errors import (
     user_error_in,
 )
 from engine.launch import environment
-from engine.runs.dirs import remove_if_unused
+from engine.runs.dirs import remove_empty_folders, remove_if_unused
 from engine.sweeps import jobs as sweeps
 from engine.sweeps.jobs import record_failure
 
@@ -307,7 +307,10 @@ def run(task: str, cfg: DictConfig) -> Any:
             if not environment.watched_rank():
                 log.info("Run directory: %s", hc.runtime.output_dir)  # again at the end: where the results are
             return result
-        except RunEnded as ended:
+        except RunEnded as ended:  # tune without tune.apply, a sweep job run in a process of its own
+            remove_empty_folders(Path(hc.runtime.output_dir))  # made at start for checkpoints and logs never written
+            if not environment.watched_rank():
+                log.info("Run directory: %s", hc.runtime.output_dir)
             return ended.value
         except Exception as e:
             if full_error():

@@ -216,3 +216,10 @@ def make_writable(key: str, path: Path, made: list[Path]) -> None:
         raise UserError(f"{key}={path}: cannot be created ({e.strerror}); choose a writable directory") from e
     if not os.access(path, os.W_OK | os.X_OK):  # also a read-only mount, which stops root too
         raise UserError(f"{key}={path}: not writable by this process; choose a writable directory")
+
+
+def remove_empty_folders(run_dir: Path) -> None:
+    """The run dir's folders that stayed empty (a checkpoint folder of a run that saved none), deepest first."""
+    for folder in sorted((p for p in run_dir.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only an empty one goes
