@@ -36,6 +36,9 @@ def test_the_profile_shrinks_the_search_and_bad_sweeper_keys_are_one_line(cli, t
         " its folder cannot be made (No such file or directory); use a storage on a writable disk",
         "hydra/launcher=parallel hydra.sweeper.n_jobs=3": "hydra.sweeper.n_jobs=3: more trials at once than the "
         "launcher's 2 workers; use hydra.sweeper.n_jobs=2, or raise hydra.launcher.n_jobs",
+        "hydra.sweeper.direction=minimize": "hydra.sweeper.direction=minimize, but monitor.mode=max: the trials return "
+        "the best val/acc (higher is better), so the best trial would be the worst; use hydra.sweeper.direction="
+        "maximize (or set optimized_metric to the number to minimize)",
     }
     for overrides, line in refused.items():
         bad = cli("train.py", *SEARCH, *overrides.split(), check=False)
@@ -99,3 +102,15 @@ def test_a_pruned_trial_stops_early_without_failing_the_sweep(cli, tmp_path):
     assert (root / "0" / "pruned.json").is_file() and (root / "0" / "test_metrics.json").is_file()
     assert "error" not in proc.stderr
     assert (root / "summary.csv").read_text().splitlines()[1].split(",")[1:5:3] == ["pruned", "1"]  # 1 epoch of 2
+
+
+def test_a_search_of_a_metric_lower_is_better_minimizes_it(cli, tmp_path):
+    """The table regression's val/mse: the study minimizes, and its best trial is the one of the lowest value
+    (every other search here maximizes val/acc, so min mapped to maximize passed them all)."""
+    cli("train.py", "-m", "experiment=diabetes", "hparams_search=diabetes_optuna", "test=false", env=TINY)
+    found = [t for t in trials(tmp_path) if t.state == optuna.trial.TrialState.COMPLETE]
+    storage = f"sqlite:///{tmp_path}/logs/optuna.db"
+    (name,) = optuna.get_all_study_names(storage)
+    study = optuna.load_study(study_name=name, storage=storage)
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE and len(found) == 3
+    assert study.best_value == min(t.value for t in found) and len({t.value for t in found}) == 3

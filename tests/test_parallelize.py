@@ -9,7 +9,7 @@ from torch import nn
 from user_models import GatedNet, ResidualNet, TutorialCNN
 
 from engine.errors import UserError
-from engine.strategies import split
+from engine.strategies import parallelize, split
 from engine.strategies.parallelize import _cut, balance, fsdp_units, plan_stages
 from project.models.lenet import LeNet
 from project.models.mlp import MLP
@@ -172,3 +172,29 @@ def test_fsdp_units_from_config_by_class_or_module_name():
     assert len(fsdp_units(net, ["torchvision.models.resnet.BasicBlock"])) == 8
     with pytest.raises(UserError, match="no module of ResNet is named or of class Bottleneck; its classes"):
         fsdp_units(net, ["Bottleneck"])
+
+
+def test_every_fsdp_unit_chosen_is_sharded_and_the_rest_with_the_net(tmp_path):
+    """The units chosen are the ones wrapped: each Block of a GPT is an FSDP module of its own (a choice tested
+    without its effect let a policy that chose units but wrapped none pass)."""
+    import torch.distributed as dist
+    from test_cluster import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from project.models.gpt import GPT, Block
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        holder = nn.Module()
+        holder.net = GPT(block_size=8, n_layer=3, n_head=2, n_embd=8)
+        parallelize.shard(holder, holder.net, init_device_mesh("cpu", (1,)), recompute=True)
+        blocks = [m for m in holder.net.modules() if isinstance(m, Block)]
+        assert len(blocks) == 3 and all(isinstance(b, FSDPModule) for b in blocks)
+        assert isinstance(holder.net, FSDPModule)  # the embeddings, the final norm and the head
+        assert not isinstance(holder.net.blocks[0].attn, FSDPModule)  # outermost repeated blocks only
+        logits = holder.net(torch.randint(0, 256, (2, 8)))  # recomputed units still compute
+        logits.sum().backward()
+        assert all(p.grad is not None for p in holder.net.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -264,9 +264,11 @@ def test_the_command_to_continue_quotes_a_path_that_hydra_would_split():
     from engine.runs.continuing import resume_override
 
     parser = OverridesParser.create()
-    for path in ["/tmp/plain/last.ckpt", "/tmp/spa ce/ünï 数字/it's [1],x=y\\z\\'/last.ckpt", "/tmp/a b\\"]:
-        (override,) = parser.parse_overrides([resume_override(path)])
-        assert override.key_or_group == "ckpt_path" and override.value() == path
+    alone = [f"/tmp/a{char}b/last.ckpt" for char in " ,=[]{}()'\"\\$*?:;|&<>#~!^`ü数"]  # each special one by itself
+    for path in ["/tmp/plain/last.ckpt", "/tmp/spa ce/ünï 数字/it's [1],x=y\\z\\'/last.ckpt", "/tmp/a b\\", *alone]:
+        (pasted,) = shlex.split(shlex.quote(resume_override(path)))  # through the shell, as the stop line prints it
+        (override,) = parser.parse_overrides([pasted])
+        assert override.key_or_group == "ckpt_path" and override.value() == path, path
     assert resume_override("/tmp/plain/last.ckpt") == "ckpt_path=/tmp/plain/last.ckpt"
 
 

@@ -208,3 +208,21 @@ def test_under_pipeline_counting_is_refused_and_the_rates_are_the_pipelines_not_
     (run,) = run_dirs(tmp_path / "run" / "logs")
     scalars = tensorboard_scalars(run)
     assert scalars["train/device/samples_per_sec"] and "train/samples_per_sec" not in scalars  # one data stream
+
+
+@pytest.mark.slow
+def test_under_ddp_mfu_divides_by_one_devices_peak_and_the_runs_by_all_of_theirs(cli, tmp_path):
+    """Two processes: each device's MFU is its FLOP rate over one device's peak, and the run's FLOP rate is both
+    devices'. (MFU was tested on one process only, where a peak multiplied by the world size is the same.)"""
+    from conftest import run_dirs, tensorboard_scalars
+
+    peak = 1e8
+    cli("train.py", "trainer=ddp", "trainer.accelerator=cpu", "model=mlp", "callbacks=[default,throughput]",
+        "callbacks.throughput.window_size=2", f"callbacks.throughput.peak_flops={peak}", "test=false",
+        env={"PROJECT_PROFILE": "tiny"})  # fmt: skip
+    (run,) = run_dirs(tmp_path / "logs")
+    s = tensorboard_scalars(run)
+    assert s["train/device/mfu"]
+    for step, mfu in s["train/device/mfu"].items():
+        assert mfu == pytest.approx(s["train/device/flops_per_sec"][step] / peak)
+        assert s["train/flops_per_sec"][step] == pytest.approx(2 * s["train/device/flops_per_sec"][step])

@@ -66,11 +66,27 @@ class ProjectOptunaSweeper(Sweeper):
         self._launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config
         )
+        self._check_direction(config)
         workers = OmegaConf.select(config, "hydra.launcher.n_jobs")
         if in_flight.concurrent(self._launcher) and isinstance(workers, int) and 0 < workers < self.n_jobs:
             raise SweeperConfigError(  # the extra trials would wait in the launcher's queue, counted as running
                 f"hydra.sweeper.n_jobs={self.n_jobs}: more trials at once than the launcher's {workers} workers; "
                 f"use hydra.sweeper.n_jobs={workers}, or raise hydra.launcher.n_jobs"
+            )
+
+    def _check_direction(self, config: DictConfig) -> None:
+        """The trials return the best monitor.metric (optimized_metric unset): a direction against monitor.mode would
+        make the worst trial the best, silently."""
+        mode = OmegaConf.select(config, "monitor.mode", default=None)
+        if mode not in ("max", "min") or OmegaConf.select(config, "optimized_metric", default=None):
+            return
+        wanted = {"max": "maximize", "min": "minimize"}[mode]
+        if self.direction != wanted:
+            metric = OmegaConf.select(config, "monitor.metric", default="monitor.metric")
+            raise SweeperConfigError(
+                f"hydra.sweeper.direction={self.direction}, but monitor.mode={mode}: the trials return the best "
+                f"{metric} ({'higher' if mode == 'max' else 'lower'} is better), so the best trial would be the worst; "
+                f"use hydra.sweeper.direction={wanted} (or set optimized_metric to the number to {self.direction})"
             )
 
     def _name(self, search: dict[str, Any], fixed: list[str]) -> str:
