@@ -63,6 +63,7 @@ def cli_env(**extra: str) -> dict[str, str]:
 # workers in collection order, and a long file started last would run alone at the end on an idle core.
 LONGEST_FIRST = (
     "test_readme.py",
+    "test_docs_your_model.py",
     "test_trainer_options.py",
     "test_cli.py",
     "test_your_model.py",

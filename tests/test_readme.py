@@ -1,14 +1,16 @@
-"""Every command in README.md's code blocks, run exactly as written.
+"""Every command in the code blocks of README.md and of the documentation site (docs/*.md), run exactly as written.
 
-The commands run in README order, in one fresh copy of the repository (what `git clone` gives), with the
-test profile `PROJECT_PROFILE=tiny` (conf/profile/tiny.yaml: a few batches per epoch, at most 2 epochs): only
-sizes shrink. The copy holds small MNIST files in the real format under data/, as on a machine where MNIST
-was fetched once (README, *Data*). Placeholders are filled from what the earlier commands made: `<run>`
-is the newest training run with checkpoints, `<best>` its best checkpoint's name, `<sweep>` the newest sweep.
+The commands of one file run in its order, in one fresh copy of the repository of that file's own (what `git clone`
+and `make install` give), with the test profile `PROJECT_PROFILE=tiny` (conf/profile/tiny.yaml: a few batches per
+epoch, at most 2 epochs): only sizes shrink. A page never depends on another page's commands. The copy holds small
+MNIST files in the real format under data/, as on a machine where MNIST was fetched once (docs: Your data).
+Placeholders are filled from what the file's earlier commands made: `<run>` is the newest training run with
+checkpoints, `<best>` its best checkpoint's name, `<sweep>` the newest sweep.
 
-Commands that need GPUs, several machines, SLURM or a long-lived server carry a `# needs ...` comment in the
-README (or sit in a batch script) and must be listed in ELSEWHERE with the test that covers them most closely.
-In ```console blocks, `$ command` lines are run and the `error:` line that follows must match exactly.
+This file runs README.md's commands; PAGES says which tests/test_docs_*.py file runs each page's, so that `make test`'s
+workers run them side by side. Commands that need GPUs, several machines, SLURM or a long-lived server carry a
+`# needs ...` comment (or sit in a batch script) and must be listed in ELSEWHERE with the test that covers them most
+closely. In ```console blocks, `$ command` lines are run and the `error:` line that follows must match exactly.
 """
 
 import re
@@ -24,6 +26,28 @@ from conftest import REPO, cli_env, run_python, write_idx
 pytestmark = pytest.mark.slow
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+
+# The test file that runs each page's commands (a page without commands is checked by tests/test_docs.py alone).
+PAGES = {
+    "index.md": "test_docs.py",
+    "configuration.md": "test_docs_config.py",
+    "evaluate-and-resume.md": "test_docs_config.py",
+    "fault-tolerance.md": "test_docs_config.py",
+    "tuning-averaging-throughput.md": "test_docs_training.py",
+    "the-engine.md": "test_docs_training.py",
+    "tensorboard-and-trackers.md": "test_docs_training.py",
+    "sweeps.md": "test_docs_sweeps.py",
+    "devices-and-strategies.md": "test_docs_devices_and_predict.py",
+    "several-nodes-and-slurm.md": "test_docs_devices_and_predict.py",
+    "predict-and-export.md": "test_docs_devices_and_predict.py",
+    "your-model.md": "test_docs_your_model.py",
+    "your-data.md": "test_docs_your_data.py",
+    "performance.md": "test_docs.py",
+    "layout.md": "test_docs.py",
+    "testing.md": "test_docs.py",
+    "contributing.md": "test_docs.py",
+}
 
 # Commands that cannot run on a 2-core CPU machine without a network, and the test that comes closest.
 ELSEWHERE = {
@@ -101,19 +125,10 @@ def _strip_comment(line: str) -> tuple[str, str]:
     return line.strip(), ""
 
 
-# The commands run in two halves, each in its own fresh copy, so that two test processes can share them: the
-# second half starts at this heading, and makes the digits' PNG files first, as the first half's Predict does.
-SECOND_HALF = "## Devices and strategies"
-
-
-def readme_commands(half: int | None = None) -> list[tuple[str, str | None, bool]]:
-    """(command, expected error line or None, runs here) for every command of README.md, in order (of one half)."""
-    text = README.read_text()
-    if half is not None:
-        first, second = text.split(SECOND_HALF, 1)
-        text = first if half == 1 else SECOND_HALF + second
+def doc_commands(path: Path) -> list[tuple[str, str | None, bool]]:
+    """(command, expected error line or None, runs here) for every command of a Markdown file, in order."""
     found = []
-    for lang, body in re.findall(r"```(bash|console)\n(.*?)```", text, re.S):
+    for lang, body in re.findall(r"```(bash|console)\n(.*?)```", path.read_text(), re.S):
         script = body.startswith("#!")
         lines = body.replace("\\\n", " ").splitlines()
         for i, raw in enumerate(lines):
@@ -131,18 +146,18 @@ def readme_commands(half: int | None = None) -> list[tuple[str, str | None, bool
     return found
 
 
-COMMANDS = readme_commands()
-RUNNABLE = [(c, e) for c, e, runs in readme_commands(half=1) if runs]
+def page_cases(test_file: str) -> list:
+    """pytest params (page, command, expected error) of every runnable command of the pages `test_file` runs."""
+    return [
+        pytest.param(page, command, expected, id=f"{page}: {command}")
+        for page, runner in PAGES.items()
+        if runner == Path(test_file).name
+        for command, expected, runs in doc_commands(DOCS / page)
+        if runs
+    ]
 
 
-def test_every_command_that_cannot_run_here_is_covered_by_a_named_test():
-    skipped = [c for c, _, runs in COMMANDS if not runs]
-    assert sorted(set(skipped)) == sorted(ELSEWHERE), "README and ELSEWHERE disagree"
-    for command, where in ELSEWHERE.items():
-        path, _, test = where.partition("::")
-        text = (REPO / path).read_text()
-        covered = {"make test-fast": "make test"}.get(command, command)  # make test runs every test-fast test
-        assert (f"def {test}(" in text) if test else (covered in text.splitlines()), f"{command}: {where}"
+RUNNABLE = [(c, e) for c, e, runs in doc_commands(README) if runs]
 
 
 def test_the_environment_make_install_makes_can_be_activated():
@@ -150,7 +165,8 @@ def test_the_environment_make_install_makes_can_be_activated():
 
 
 def fresh_copy(tmp_path_factory) -> Path:
-    """A fresh copy of the repository's files, as a clone has them, with MNIST files in data/."""
+    """A fresh copy of the repository's files, as a clone has them after `make install` (its .venv: this one), with
+    MNIST files in data/."""
     work = tmp_path_factory.mktemp("clone")
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
@@ -164,6 +180,7 @@ def fresh_copy(tmp_path_factory) -> Path:
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, work / name)
     write_idx(work / "data", "MNIST", n_train=5100)  # data=mnist's 5,000 validation images + 100
+    (work / ".venv").symlink_to(sys.prefix)  # for the make targets a page shows (make docs-build)
     return work
 
 
@@ -180,11 +197,6 @@ def _fill(command: str, work: Path) -> str:
     run = runs[-1].parent.parent
     (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
     return command.replace("<run>", run.name).replace("<best>", best.stem)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return fresh_copy(tmp_path_factory)
 
 
 def _python_argv(command: str) -> list[str] | None:
@@ -204,8 +216,8 @@ def _python_argv(command: str) -> list[str] | None:
 
 
 def run_command(workdir: Path, command: str, expected: str | None) -> None:
-    # the copy's own code, as an editable install of a fresh clone would give: a file the README has a user
-    # add (a net of their own) is found
+    # the copy's own code, as an editable install of a fresh clone would give: a file a page has a user add (a net
+    # of their own) is found
     env = cli_env(PROJECT_PROFILE="tiny", PATH=f"{Path(sys.executable).parent}:{cli_env()['PATH']}")
     env["PYTHONPATH"] = str(workdir / "src")
     command = _fill(command, workdir)
@@ -220,6 +232,18 @@ def run_command(workdir: Path, command: str, expected: str | None) -> None:
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     else:
         assert proc.returncode == 2 and expected in proc.stderr.splitlines(), proc.stderr[-3000:]
+
+
+def run_page_command(copies: dict[str, Path], tmp_path_factory, page: str, command: str, expected: str | None) -> None:
+    """A page's command in the page's own fresh copy, made at its first command (tests/test_docs_*.py)."""
+    if page not in copies:
+        copies[page] = fresh_copy(tmp_path_factory)
+    run_command(copies[page], command, expected)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return fresh_copy(tmp_path_factory)
 
 
 @pytest.mark.parametrize(("command", "expected"), RUNNABLE, ids=[c for c, _ in RUNNABLE])
