@@ -110,6 +110,23 @@ def test_a_killed_run_resumes_the_average_bit_for_bit_and_not_without_the_callba
             f"error: ckpt_path={last}: saved with weight averaging (its weights are the average); resume it with"
         )
     )
+    # under another averaging, SWA would go on from EMA's state
+    swa = train(tmp_path / "swa", *RUN, "callbacks=[default,swa]", "test=false", f"ckpt_path={last}", check=False)
+    assert swa.returncode == 2 and swa.stderr.strip().splitlines()[-1] == (
+        f"error: ckpt_path={last}: saved with callbacks.ema's average, resumed with callbacks.swa, which would go on "
+        "from ema's state; resume with 'callbacks=[default,ema]', or start a new run"
+    )
+
+
+def test_two_weight_averagings_at_once_are_refused_at_start(tmp_path):
+    """callbacks=[default,ema,swa] trained to exit 0 with the raw weights corrupted: each swapped its average into
+    the weights the other averaged."""
+    proc = train(tmp_path, *RUN, "callbacks=[default,ema,swa]", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: callbacks.ema and callbacks.swa: two weight averagings of one model, each averaging the other's "
+        "swapped-in weights; keep one"
+    )
+    assert not (tmp_path / "logs" / "train" / "runs").exists() or not run_dirs(tmp_path / "logs")
 
 
 def test_throughput_and_the_counted_flops_are_in_tensorboard_and_no_mfu_on_cpu(unbroken):

@@ -71,3 +71,13 @@ def test_ddp_with_half_the_batch_per_process_takes_one_devices_steps(tmp_path, s
     want, got = last_weights(tmp_path / "one"), last_weights(tmp_path / "ddp")
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0)
+
+
+def test_a_monitored_metric_that_stops_being_logged_is_refused_not_reused(tmp_path):
+    """It logged val/mse in epoch 0 only: later epochs judged the run on epoch 0's value, and the best stayed there."""
+    table = [o.replace("user_tables.Regressor", "user_tables.LogsOnce") for o in TABLE]
+    proc = train(tmp_path, *table, "trainer.max_epochs=3", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: LogsOnce logged val/mse in the validation of epoch 0 but not in epoch 1's: monitor.metric would judge "
+        "the run on a stale value; log it at every validation, or monitor another metric (monitor.metric)"
+    )

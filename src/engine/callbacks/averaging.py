@@ -127,11 +127,36 @@ class EpochAveraging(_Fixed):
         return epoch_idx is not None and epoch_idx >= self.start_epoch
 
 
+def check_callbacks(callbacks: list[Any]) -> None:
+    """One weight averaging at a time: two (callbacks=[default,ema,swa]) would each swap their average into the
+    weights the other averages and restores, and the raw weights would be lost."""
+    averagers = [c for c in callbacks if isinstance(c, WeightAveraging)]
+    if len(averagers) > 1:
+        names = " and ".join(f"callbacks.{getattr(c, 'name', type(c).__name__)}" for c in averagers)
+        raise UserError(
+            f"{names}: two weight averagings of one model, each averaging the other's swapped-in weights; keep one"
+        )
+
+
 def check_resume(ckpt_path: str, checkpoint: dict[str, Any], callbacks: list[Any]) -> None:
     """A checkpoint saved with averaging holds the average as its weights: resumed without the callback, training
-    would go on from the average instead of the weights it left, silently."""
-    if "current_model_state" in checkpoint and not any(isinstance(c, WeightAveraging) for c in callbacks):
+    would go on from the average instead of the weights it left; resumed under another averaging, that one would go
+    on from the first one's state. Both silently."""
+    if "current_model_state" not in checkpoint:
+        return
+    mine = [c for c in callbacks if isinstance(c, WeightAveraging)]
+    saved = [k for k in checkpoint.get("callbacks") or {} if k in _AVERAGERS]
+    if not mine:
         raise UserError(
             f"ckpt_path={ckpt_path}: saved with weight averaging (its weights are the average); resume it with the "
             "callbacks it ran with, e.g. 'callbacks=[default,ema]'"
         )
+    if saved and mine[0].state_key not in saved:
+        was, now = _AVERAGERS[saved[0]], getattr(mine[0], "name", type(mine[0]).__name__)
+        raise UserError(
+            f"ckpt_path={ckpt_path}: saved with callbacks.{was}'s average, resumed with callbacks.{now}, which would "
+            f"go on from {was}'s state; resume with 'callbacks=[default,{was}]', or start a new run"
+        )
+
+
+_AVERAGERS = {"EMA": "ema", "EpochAveraging": "swa"}  # their checkpoint state's keys -> their config names

@@ -32,6 +32,8 @@ class Monitor(L.Callback):
         self.best_epoch: int | None = None
         self._validations = 0  # this epoch's
         self._started_at: int | None = None  # the epoch's completed batches when it started (a resume restores them)
+        self._logged_in: int | None = None  # the last epoch whose validation logged the metric
+        self._before: Any = None  # its value object as the validation started
 
     @property
     def state_key(self) -> str:
@@ -81,6 +83,14 @@ class Monitor(L.Callback):
                     f"max or min){example}, or log one with self.log"
                 )
 
+    def _stopped_logging(self, trainer: L.Trainer) -> None:
+        module = type(trainer.lightning_module).__name__
+        raise UserError(
+            f"{module} logged {self.metric} in the validation of epoch {self._logged_in} but not in epoch "
+            f"{trainer.current_epoch}'s: monitor.metric would judge the run on a stale value; log it at every "
+            "validation, or monitor another metric (monitor.metric)"
+        )
+
     def _update(self, trainer: L.Trainer) -> None:
         value = trainer.callback_metrics.get(self.metric)
         if value is None or trainer.sanity_checking:
@@ -93,9 +103,19 @@ class Monitor(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started_at = trainer.fit_loop.epoch_loop.batch_progress.current.completed
 
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._before = trainer.callback_metrics.get(self.metric)
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
+        # Lightning keeps a metric's last value when a validation logs it no more (a new value is a new tensor): a
+        # metric once logged in validation and then not would go on judging the run on its stale value
+        now = trainer.callback_metrics.get(self.metric)
+        if now is not None and now is not self._before:
+            self._logged_in = trainer.current_epoch
+        elif self._logged_in is not None:
+            self._stopped_logging(trainer)
         self._validations += 1
         self._check(trainer, at_epoch_end=False)
         if not self._reads_at_epoch_end(trainer):

@@ -88,6 +88,7 @@ class TrainRun:
         cfg = self.cfg
         self._check(model, datamodule)
         callbacks = [*callbacks, *self._stretch]
+        averaging.check_callbacks(callbacks)
         if self.ckpt_path and cfg.train:
             averaging.check_resume(self.ckpt_path, self._resumed, callbacks)
         # Every checkpoint carries the plain run config (engine.runs.full_model.load_model rebuilds the model from
