@@ -124,3 +124,12 @@ def test_a_sharded_fsdp_checkpoint_is_gathered_and_exported(cli, tmp_path, test_
     assert (torch.tensor(logits) - expected).abs().max() < 1e-4
     (run,) = run_dirs(tmp_path / "logs", task="export")
     assert json.loads((run / "export.json").read_text())["max_abs_difference"] < 1e-4
+
+
+def test_only_a_batch_of_token_sequences_gets_a_dynamic_length():
+    """Colour pixels are integers too (uint8, N x 3 x H x W): their channels are not a sequence to vary."""
+    from engine.tasks.export import dynamic_dims
+
+    assert set(dynamic_dims(torch.zeros(2, 3, 28, 28, dtype=torch.uint8))) == {0}
+    assert set(dynamic_dims(torch.zeros(2, 16, dtype=torch.long))) == {0, 1}
+    assert set(dynamic_dims(torch.zeros(2, 16))) == {0}  # rows of numbers: the columns are fixed

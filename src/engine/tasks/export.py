@@ -60,12 +60,12 @@ def example_pixels(spec: Any, n: int, seed: int = 0) -> Any:
 
 
 def dynamic_dims(example: Any) -> dict[int, Any]:
-    """The dimensions the exported file takes in any size: the batch; for integer inputs (tokens) the sequence too,
-    up to the example's length."""
+    """The dimensions the exported file takes in any size: the batch; for a batch of token sequences (integers,
+    batch x length) the length too, up to the example's. Integer images (uint8 pixels, 4-D) keep their shape."""
     import torch
 
     dims = {0: torch.export.Dim("batch")}
-    if not example.is_floating_point() and example.dim() >= 2 and example.shape[1] > 2:
+    if not example.is_floating_point() and example.dim() == 2 and example.shape[1] > 2:
         dims[1] = torch.export.Dim("sequence", min=2, max=int(example.shape[1]))
     return dims
 
