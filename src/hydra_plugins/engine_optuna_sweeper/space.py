@@ -6,8 +6,12 @@ choice(32, 64, 128)             -> CategoricalDistribution
 range(1, 4)                     -> IntDistribution(1, 3)    (Hydra's range stops before its end)
 """
 
+import decimal
 import hashlib
+import itertools
+import math
 import re
+import warnings
 from typing import Any
 
 from hydra.core.override_parser.types import Override, Transformer
@@ -16,26 +20,76 @@ from .errors import SweeperConfigError
 
 
 def distribution(override: Override) -> Any:
-    """An Optuna distribution for a sweep override; None for a plain value (a fixed override)."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
+    """An Optuna distribution for a sweep override; None for a plain value (a fixed override). What Optuna refuses
+    (bounds in the wrong order, a log scale that reaches 0, a step that does not fit) is one line naming the
+    override, said before a sweep dir or a study exists."""
     if not override.is_sweep_override():
         return None
+    try:
+        return _distribution(override)
+    except (ValueError, TypeError, OverflowError) as e:
+        reason = " ".join(str(e).split()).rstrip(".")
+        raise SweeperConfigError(f"{override.input_line}: {reason}; change the search space") from e
+
+
+def _distribution(override: Override) -> Any:
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
     value: Any = override.value()
-    if override.is_choice_sweep() or (override.is_range_sweep() and value.shuffle):
-        choices: list[Any] = list(override.sweep_iterator(transformer=Transformer.encode))
-        return CategoricalDistribution(choices)
     if override.is_range_sweep():
-        values: list[Any] = list(override.sweep_iterator())
-        if all(isinstance(v, int) for v in values) and isinstance(value.step, int):
-            return IntDistribution(values[0], values[-1], step=value.step)
-        return FloatDistribution(float(values[0]), float(values[-1]), step=float(value.step))
+        first, last, count = _range_bounds(override)
+        if value.shuffle:
+            if count > MAX_CHOICES:
+                raise ValueError(f"shuffle of {count} values; at most {MAX_CHOICES} choices")
+            return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))  # type: ignore[arg-type]
+        if all(isinstance(v, int) for v in (value.start, value.step)):
+            return IntDistribution(first, last, step=value.step)
+        return stepped(float(first), float(last), float(value.step))
+    if override.is_choice_sweep():
+        return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))  # type: ignore[arg-type]
     if override.is_interval_sweep():
         log_scale = "log" in value.tags
         if isinstance(value.start, int) and isinstance(value.end, int):
             return IntDistribution(value.start, value.end, log=log_scale)
         return FloatDistribution(float(value.start), float(value.end), log=log_scale)
     raise SweeperConfigError(f"{override.input_line}: not supported by the Optuna sweeper")
+
+
+MAX_CHOICES = 10_000
+
+
+def _range_bounds(override: Override) -> tuple[Any, Any, int]:
+    """(first value, last value, how many) of Hydra's range(start, stop, step), which stops before `stop`: the
+    values Hydra lists, up to MAX_CHOICES of them (floats step in Decimals rounded at each addition); beyond that
+    computed, never listed: a range of a billion steps is a distribution, not a list to build."""
+    value: Any = override.value()
+    start, stop, step = value.start, value.stop, 1 if value.step is None else value.step
+    if not all(math.isfinite(v) for v in (start, stop, step)):
+        raise ValueError(f"range({start}, {stop}, {step}) needs finite numbers")
+    if step <= 0:
+        raise ValueError(f"range({start}, {stop}, {step}) needs a step above 0")
+    listed = list(itertools.islice(value.range(), MAX_CHOICES + 1))
+    if not listed:
+        raise ValueError(f"range({start}, {stop}, {step}) holds no value (it stops before its end)")
+    if len(listed) <= MAX_CHOICES:
+        return listed[0], listed[-1], len(listed)
+    if all(isinstance(v, int) for v in (start, stop, step)):
+        count = -(-(stop - start) // step)
+        return start, start + (count - 1) * step, count
+    first, step_ = decimal.Decimal(start), decimal.Decimal(step)
+    count = math.ceil((decimal.Decimal(stop) - first) / step_)
+    return float(start), float(first + (count - 1) * step_), count
+
+
+def stepped(low: float, high: float, step: float) -> Any:
+    """FloatDistribution(low, high, step) that keeps `high`: Optuna recomputes high as low + ((high - low) // step)
+    * step, and for about half of all float steps the floor division rounds down and the last value is silently
+    dropped. Given half a step more, the floor lands on the last value (Optuna's warning about it is expected)."""
+    from optuna.distributions import FloatDistribution
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is not divisible by `step`")
+        return FloatDistribution(low, high + step / 2, step=step)
 
 
 def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:
@@ -61,7 +115,11 @@ def suggest(trial: Any, name: str, dist: Any) -> Any:
         return trial.suggest_categorical(name, dist.choices)
     if isinstance(dist, IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
-    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    if dist.step is not None:  # the same half step as stepped(), or Optuna drops the last value here too
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is not divisible by `step`")
+            return trial.suggest_float(name, dist.low, dist.high + dist.step / 2, step=dist.step)
+    return trial.suggest_float(name, dist.low, dist.high, log=dist.log)
 
 
 def study_name(base: str, space: dict[str, Any], fixed: list[str], direction: str) -> str:
