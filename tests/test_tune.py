@@ -166,6 +166,7 @@ def test_a_module_that_hard_codes_its_lr_is_told_which_key_to_give_it(make_cfg, 
         ["tune=lr", "tune.num_training=0"],
         ["tune=batch_size", "tune.max_trials=0"],
         ["tune=batch_size", "tune.init_val=0"],
+        ["tune=batch_size", "tune.init_val=100", "tune.max_val=10"],  # "found 100", exit 0, before
         ["tune=lr", "tune.mode=foo"],
     ],
 )

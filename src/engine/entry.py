@@ -99,6 +99,31 @@ def _sbatch_refused(error: BaseException) -> UserError | None:
     )
 
 
+# What a command line may hold, checked before Hydra parses it (Hydra turned a key of 260 characters into an
+# OSError from a file name, and a number of 5000 digits into Python's ValueError, each a traceback).
+MAX_KEY = 200  # characters of an override's key: the config's own keys are far shorter
+MAX_VALUE = 4096  # characters of a value: a path at most (PATH_MAX)
+MAX_DIGITS = 300  # digits in a row: more than any float holds, and Python refuses integers of thousands
+
+
+def bounded(args: list[str]) -> UserError | None:
+    """The first command-line argument past the bounds, as the one line that says so."""
+    for arg in args:
+        key, given, value = arg.partition("=")
+        if not given or arg.startswith("-"):
+            continue
+        if len(key.lstrip("+~")) > MAX_KEY:
+            return UserError(
+                f"an override's key of {len(key)} characters ({key[:40]}...): config keys are at most {MAX_KEY}"
+            )
+        if len(value) > MAX_VALUE:
+            return UserError(f"{key}=...: a value of {len(value)} characters; at most {MAX_VALUE}")
+        digits = max((len(run) for run in re.findall(r"\d+", value)), default=0)
+        if digits > MAX_DIGITS:
+            return UserError(f"{key}=...: a number of {digits} digits; at most {MAX_DIGITS}")
+    return None
+
+
 def _our_help() -> None:
     """`--help` (alone, as Hydra reads it): the groups a user picks, read from conf/<script>.yaml's folder; Hydra's
     own help, with every group and the composed config, is `--hydra-help`'s neighbour `--cfg job`."""
@@ -134,6 +159,9 @@ def cli(hydra_main: Callable[[], Any]) -> None:
     os.environ.setdefault(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # makes Hydra raise to us instead of printing its own report
     sys.argv = _with_profile(sys.argv)
+    too_long = bounded(sys.argv[1:])
+    if too_long is not None:
+        exit_with(too_long)
     ignore_known_warnings()
     sweeps.remember_entry_script()
     try:

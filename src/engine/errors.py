@@ -16,7 +16,23 @@ class UserError(Exception):
         # traceback ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): keep the message.
         if message.startswith("Caught ") and "Original Traceback" in message:
             message = message.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]
-        super().__init__(message)
+        super().__init__(printable(message))
+
+
+def printable(text: str) -> str:
+    """`text` on one line whatever it quotes: a file name, key or value holding a line break, a control character
+    or bytes that are not UTF-8 (surrogate-escaped by the file system) is shown escaped (\\n, \\x1b, \\xff), so a
+    message stays one line and prints on any terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escaped(ch) for ch in text)
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte os.fsdecode could not decode
+        return f"\\x{code - 0xDC00:02x}"
+    return ch.encode("unicode_escape").decode("ascii")
 
 
 class RunEnded(BaseException):
@@ -49,6 +65,7 @@ def say(line: str, console: bool = True) -> None:
 
     from engine.launch.environment import watched_rank
 
+    line = printable(line)
     if console and not watched_rank():
         print(line, file=sys.stderr, flush=True)  # a process may end with os._exit next: no buffer is left behind
     if not _in_a_run:

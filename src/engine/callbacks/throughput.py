@@ -56,8 +56,11 @@ class ThroughputMonitor(_ThroughputMonitor):
         if window_size < 2:
             raise UserError(f"callbacks.throughput.window_size={window_size!r}: at least 2 steps")
         number = isinstance(peak_flops, (int, float)) and not isinstance(peak_flops, bool)
-        if peak_flops is not None and not (number and 0 < peak_flops < math.inf):
-            raise UserError(f"callbacks.throughput.peak_flops={peak_flops!r}: one device's peak FLOP/s, e.g. 9.89e14")
+        if peak_flops is not None and not (number and MIN_PEAK <= peak_flops < math.inf):
+            raise UserError(
+                f"callbacks.throughput.peak_flops={peak_flops!r}: one device's peak FLOP/s, at least {MIN_PEAK:.0e} "
+                "(e.g. 9.89e14 for an H100's dense bf16)"
+            )
         super().__init__(batch_size_fn=samples_in, window_size=window_size, separator=separator)
         self.window_size, self.count_flops, self.peak_flops = window_size, count_flops, peak_flops
         self._counted: dict[str, int] = {}  # stage -> FLOPs of one of its batches, as counted here
@@ -227,6 +230,9 @@ def _refuse_where_a_counter_cannot_see(trainer: L.Trainer, pl_module: L.Lightnin
         "(the FLOPs one device computes for a batch: its replica's or stage's forward and backward), or set "
         "callbacks.throughput.count_flops=false"
     )
+
+
+MIN_PEAK = 1e9  # FLOP/s: below any device a net trains on (peak_flops=1 made an MFU of 3.4e10)
 
 
 def _peak_lightning_misses(device: torch.device, dtype: torch.dtype) -> float | None:

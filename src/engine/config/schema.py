@@ -6,11 +6,13 @@ values against the target's signature before anything is built. What a type cann
 a required key left out) is checked by `check_config`, first thing in every task.
 """
 
+import os
+import stat
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from engine.errors import UserError
 
@@ -157,6 +159,42 @@ def check_keys(cfg: DictConfig, where: str = "") -> None:
             check_keys(child, f"{path}.")
 
 
+def _strings(node: Any, path: str = "") -> list[tuple[str, str]]:
+    """(key, value) of every string in the config, Hydra's own node left out; interpolations as they resolve."""
+    found = []
+    if isinstance(node, DictConfig):
+        for key in node:
+            if str(key) == "hydra" and not path:
+                continue
+            try:
+                value = node[key]
+            except Exception:  # an interpolation that does not resolve here: its own check says so
+                continue
+            found += _strings(value, f"{path}{key!s}.")
+    elif isinstance(node, ListConfig):
+        for i, value in enumerate(node):
+            found += _strings(value, f"{path[:-1]}[{i}].")
+    elif isinstance(node, str):
+        found.append((path[:-1], node))
+    return found
+
+
+def check_files(cfg: DictConfig) -> None:
+    """A path in the config that names something other than a regular file or a folder (a FIFO, a device, a socket)
+    is refused before anything opens it: reading one waits for a writer that may never come (a FIFO given to
+    predict.py's input= hung it). Every path of every group alike, the data's and the user's own keys included."""
+    for key, value in _strings(cfg):
+        if not value or len(value) > 4096 or "\0" in value:
+            continue
+        try:
+            mode = os.stat(os.path.expanduser(value)).st_mode
+        except (OSError, ValueError):
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+            raise UserError(f"{key}={value}: {kind}, not a file or a folder; pass a regular file")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Everything about the run config that needs no import of torch or Lightning, before any work."""
     check_keys(cfg)
@@ -178,5 +216,6 @@ def check_config(cfg: DictConfig) -> None:
     for package in cfg.get("trusted_packages") or []:
         if not all(part.isidentifier() for part in str(package).split(".")):
             raise UserError(f"trusted_packages: {package!r} is not a package name (letters, digits, _ and dots)")
+    check_files(cfg)
     if cfg.launch.rendezvous_timeout_s <= 0:
         raise UserError(f"launch.rendezvous_timeout_s={cfg.launch.rendezvous_timeout_s}: must be a positive number")

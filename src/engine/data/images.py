@@ -4,7 +4,11 @@ Grey or RGB as the model takes it, resized to its size, pixels scaled to [0, 1] 
 training data's statistics: for 28x28 grey digits exactly `engine.data.tensors.normalize`.
 """
 
-from collections.abc import Sequence
+import os
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +27,33 @@ def pil_mode(channels: int) -> str:
     return "L" if channels == 1 else "RGB"
 
 
+# The largest image read, from its header before a pixel is decoded. Set PROJECT_MAX_IMAGE_PIXELS to read larger
+# ones: it is PIL's own limit too (Image.MAX_IMAGE_PIXELS), so there is one.
+MAX_IMAGE_PIXELS = int(os.environ.get("PROJECT_MAX_IMAGE_PIXELS", 8192 * 8192))
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+
+
+@contextmanager
+def open_image(path: str | Path) -> Iterator[Image.Image]:
+    """Image.open, refusing an image of more than MAX_IMAGE_PIXELS pixels from its header (PIL's decompression-bomb
+    check at our limit, its warning an error): a ValueError naming both, not a traceback nor gigabytes decoded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(path)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            pixels = re.search(r"\((\d+) pixels\)", str(e))
+            raise ValueError(
+                f"{pixels.group(1) if pixels else 'too many'} pixels: more than PROJECT_MAX_IMAGE_PIXELS="
+                f"{MAX_IMAGE_PIXELS} (set it higher to read it)"
+            ) from e
+    with image:
+        yield image
+
+
 def load_image(path: str | Path, channels: int) -> Image.Image:
     """An image file as grey or RGB. Transparent pixels become black: MNIST-like digits are light on black."""
-    with Image.open(path) as image:
+    with open_image(path) as image:
         if image.mode not in CONVERTIBLE_MODES:
             raise ValueError(f"{image.mode} images (16-bit or float pixels) have no 0-255 scale to convert from")
         if "A" in image.getbands() or "transparency" in image.info:

@@ -13,11 +13,11 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from engine.data.images import as_channels, load_image, model_input
+from engine.data.images import as_channels, load_image, model_input, open_image
 from engine.data.spec import InputSpec
 from engine.errors import UserError
 
@@ -56,7 +56,7 @@ def read_idx(path: Path, data: bytes) -> Tensor:
 
 def _check_image(path: Path, shown: str, spec: InputSpec, resize: bool) -> None:
     try:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             size = image.size
             image.verify()  # reads the whole file: a cut-off or damaged image fails now, not mid-run
         load_image(path, spec.channels)

@@ -76,6 +76,11 @@ def check(cfg: DictConfig) -> None:
             f"tune.init_val={t.init_val}, tune.max_trials={t.max_trials}, tune.steps_per_trial={t.steps_per_trial}, "
             f"tune.max_val={t.max_val}: each at least 1"
         )
+    if t.mode == "batch_size" and t.init_val > t.max_val:
+        raise UserError(
+            f"tune.init_val={t.init_val} > tune.max_val={t.max_val}: the finder doubles the batch size from init_val "
+            "up to max_val; start below the largest size to try"
+        )
     if sweeps.is_multirun():
         raise UserError("tune: Lightning's finders tune one run; run it without -m, then sweep with the value found")
     if cfg.ckpt_path:
