@@ -235,3 +235,53 @@ def test_eval_on_data_the_checkpoints_model_cannot_take_is_one_line(trained):
     line = refused(run(work / "eval", "eval.py", f"ckpt_path={best}", "data=digits", "data.channels=3"), "channels")
     assert line.startswith("error: MLP does not take the data's images (3 channels, 28x28)"), line
     assert not (work / "eval" / "logs").exists()
+
+
+def test_two_launches_into_one_named_directory_one_is_refused_and_each_launchs_processes_join(tmp_path):
+    """Two sbatch jobs with the same hydra.run.dir both ran to the end in one dir, their checkpoints interleaved: a
+    launch (a SLURM job's step, a torchrun) shares its dir among its own processes, so the guard's emptiness check
+    is skipped there. The claim now names the launch: its processes join, any other launch is refused."""
+    import subprocess
+
+    from engine.runs.dirs import CLAIM
+
+    named = tmp_path / "shared"
+
+    def job(job_id: str, *extra: str) -> dict:
+        return {
+            "SLURM_NTASKS": "1",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NNODES": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0",
+            "SLURM_JOB_ID": job_id,
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "localhost",
+        }
+
+    jobs = {
+        job_id: subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "model=mlp", "logger=none", f"hydra.run.dir={named}"],
+            cwd=tmp_path,
+            env=cli_env(**TINY, **job(job_id)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for job_id in ("101", "102")
+    }  # both started at once: both find the directory empty
+    ended = {job_id: (process.wait(timeout=600), process.stderr.read()) for job_id, process in jobs.items()}
+    assert sorted(code for code, _ in ended.values()) == [0, 2], ended
+    (winner,) = [job_id for job_id, (code, _) in ended.items() if code == 0]
+    (loser,) = set(jobs) - {winner}
+    refused(
+        subprocess.CompletedProcess([], 2, "", ended[loser][1]),
+        f"hydra.run.dir={named} is being used by another run launched as slurm_{winner}_0",
+    )
+    assert (named / CLAIM).read_text() == f"slurm_{winner}_0"
+    # another process of the first launch (a rank of the same job step) joins it
+    from engine.runs.dirs import claim
+
+    claim(named, "hydra.run.dir", f"slurm_{winner}_0")

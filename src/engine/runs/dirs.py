@@ -80,18 +80,51 @@ def holds_checkpoints(run_dir: Path) -> bool:
     return any((run_dir / "checkpoints").glob("*.ckpt")) or any(run_dir.glob("hpc_ckpt_*.ckpt"))
 
 
-CLAIM = ".project_run"  # made with O_EXCL in a run dir the user named: of two runs started at once, one gets it
+CLAIM = ".project_run"  # the launch a run dir belongs to, made whole or not at all: of two launches, one gets it
 
 
-def claim(run_dir: Path, key: str) -> None:
-    """This run's directory, atomically: two runs that both found it empty cannot both write there."""
+def launch_identity() -> str | None:
+    """What every process of one launch shares and another launch does not: torchrun's run id, the SLURM job and
+    step, the master address of nodes started by hand; None for a run that is its own single process."""
+    name = environment.shared_run_name()
+    if name is None and environment.shares_a_named_dir():
+        name = f"nodes_{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '')}"
+    return name
+
+
+def claim(run_dir: Path, key: str, launch: str | None = None) -> None:
+    """This run's directory, atomically: of two runs, or two launches (two sbatch jobs, two torchruns) named into
+    one directory, exactly one gets it; every process of the launch that got it joins. The claim file appears with
+    its content in one step (a hard link of a file already written), so a process never reads a half-made one."""
+    owner = launch or f"{os.uname().nodename}:{os.getpid()}:{datetime.now().isoformat()}"
+    partial = run_dir / f"{CLAIM}.{os.uname().nodename}.{os.getpid()}"
     try:
-        os.close(os.open(run_dir / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        raise UserError(
-            f"{key}={run_dir} is being used by another run started at the same time; name a new directory, or "
-            f"leave {key} out for a fresh one"
-        ) from None
+        partial.write_text(owner)
+        try:
+            os.link(partial, run_dir / CLAIM)
+            return
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: made empty-then-written, still exclusive
+            try:
+                with open(run_dir / CLAIM, "x") as f:
+                    f.write(owner)
+                return
+            except FileExistsError:
+                pass
+        other = (run_dir / CLAIM).read_text(errors="replace").strip()
+    except OSError as e:
+        raise UserError(f"{key}={run_dir}: cannot be claimed ({e.strerror}); choose a writable directory") from e
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+    if launch is not None and other == launch:
+        return  # another process of this launch claimed it first
+    started = "started at the same time" if launch is None else f"launched as {other or 'another job'}"
+    raise UserError(
+        f"{key}={run_dir} is being used by another run {started}; name a new directory, or leave {key} out for a "
+        "fresh one"
+    )
 
 
 def remove_if_unused(run_dir: Path) -> None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.console import full_error
 from engine.errors import UserError, exit_with, user_error_in
 from engine.launch import environment
-from engine.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints, make_writable
+from engine.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints, launch_identity, make_writable
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -88,16 +88,15 @@ class RunDirGuard(Callback):
                 raise _refuse_checkpoints(run_dir, OmegaConf.select(config, "ckpt_path", default=None))
             # a directory the launcher names for all its ranks (torchrun, srun), or that the user names for the
             # nodes started by hand, is shared; any other is this run's own
-            shared = environment.shared_run_name() is not None or environment.shares_a_named_dir()
-            found = earlier_files(run_dir) if not shared else []
+            launch = launch_identity()
+            found = earlier_files(run_dir) if launch is None else []
             if found:
                 raise UserError(
                     f"hydra.run.dir={run_dir} already holds an earlier run's files "
                     f"({found[0].relative_to(run_dir)}, ...); name a new directory, or leave hydra.run.dir out for a "
                     "fresh one"
                 )
-            if not shared:
-                claim(run_dir, "hydra.run.dir")
+            claim(run_dir, "hydra.run.dir", launch)  # a launch's processes join; another launch is refused
         except Exception as e:  # a UserError, or one raised inside a resolver, which OmegaConf wraps
             _stop_on(e)
 
