@@ -135,7 +135,7 @@ def test_a_mistake_in_a_spawned_worker_ends_the_run_as_the_same_error():
         raise AssertionError("nothing raised")
 
     def diverged() -> None:
-        raise DivergedError("diverged in epoch 2, between steps 4 and 8: the loss\nstopped being finite")
+        raise DivergedError("diverged in epoch 2, between steps 4 and 8: the loss stopped being finite")
 
     def bug_while_handling() -> None:
         try:

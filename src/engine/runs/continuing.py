@@ -21,14 +21,16 @@ def continue_command(path: str) -> str:
     resume with other settings, another model or schedule, is refused, so the overrides come along), less those a
     resume refuses or does itself: its output folders (it writes into a new run dir) and the profile that
     $PROJECT_PROFILE adds. For a sweep's job, a tuned run (its tuned value is in the checkpoint, not in an override),
-    or a run torchrun or SLURM started: `ckpt_path=<path>` to add to the command that started it."""
+    or a run torchrun, SLURM or nodes started by hand launched: `ckpt_path=<path>` to add to the command that
+    started it (on every node)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from engine.console import PROFILE
 
     resume = resume_override(path)
-    started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
+    # torchrun, SLURM, nodes started by hand: each process's command is the launcher's, not ours to rebuild
+    started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "NODE_RANK"))
     if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or started_by:
         return f"{resume} added to the run's command"
     overrides = list(HydraConfig.get().overrides.task)

@@ -92,6 +92,22 @@ def launch_identity() -> str | None:
     return name
 
 
+def continuing(run_dir: Path) -> bool:
+    """This process continues its own launch in `run_dir`: a restart (a SLURM requeue, a torchelastic restart), or a
+    process of a launch whose directory already holds that launch's checkpoints. torchrun restarts the workers of a
+    node that did not fail with a restart count of 0 when another node rejoins, and the command that continues a
+    torchrun run is its own (the same --rdzv-id) with ckpt_path=...: both are the launch going on, not a new run."""
+    if environment.restarted():
+        return True
+    launch = launch_identity()
+    if launch is None or not holds_checkpoints(run_dir):
+        return False
+    try:
+        return (run_dir / CLAIM).read_text(errors="replace").strip() == launch
+    except OSError:
+        return False
+
+
 def claim(run_dir: Path, key: str, launch: str | None = None) -> None:
     """This run's directory, atomically: of two runs, or two launches (two sbatch jobs, two torchruns) named into
     one directory, exactly one gets it; every process of the launch that got it joins. The claim file appears with
@@ -184,9 +200,10 @@ def check_own_output_dir(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     output_dir = Path(str(cfg.paths.output_dir)).expanduser().resolve()
-    if not HydraConfig.initialized() or environment.restarted() or HydraConfig.get().output_subdir is None:
+    if not HydraConfig.initialized() or HydraConfig.get().output_subdir is None:
         return
-    if output_dir == Path(HydraConfig.get().runtime.output_dir).resolve():
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    if output_dir == run_dir or continuing(run_dir):
         return
     found = earlier_files(output_dir)
     if found:

@@ -17,7 +17,15 @@ from omegaconf import DictConfig, OmegaConf
 from engine.console import full_error
 from engine.errors import UserError, exit_with, user_error_in
 from engine.launch import environment
-from engine.runs.dirs import CREATED, claim, earlier_files, holds_checkpoints, launch_identity, make_writable
+from engine.runs.dirs import (
+    CREATED,
+    claim,
+    continuing,
+    earlier_files,
+    holds_checkpoints,
+    launch_identity,
+    make_writable,
+)
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -80,10 +88,12 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Ranks that Lightning or a sweep job started join a directory their parent already checked.
-        if config.hydra.output_subdir is None or environment.restarted():
+        if config.hydra.output_subdir is None:
             return
         try:
             run_dir = _directory(config, "hydra.run.dir")
+            if continuing(run_dir):  # a restart, or the launch that wrote these checkpoints going on
+                return
             if holds_checkpoints(run_dir):
                 raise _refuse_checkpoints(run_dir, OmegaConf.select(config, "ckpt_path", default=None))
             # a directory the launcher names for all its ranks (torchrun, srun), or that the user names for the

@@ -17,9 +17,8 @@ from engine.callbacks import averaging
 from engine.callbacks.monitor import Monitor, best_key
 from engine.callbacks.schedule import StretchSchedule
 from engine.errors import RunEnded
-from engine.launch import environment
 from engine.runs import checkpoints, resume
-from engine.runs.dirs import make_output_dirs
+from engine.runs.dirs import continuing, make_output_dirs
 from engine.runs.results import write_metrics
 from engine.sweeps import jobs as sweeps
 from engine.tasks import tune
@@ -41,11 +40,12 @@ class TrainRun:
         checkpoints.refuse_empty(cfg.ckpt_path)
         self.cfg = cfg
         self.output_dir = Path(cfg.paths.output_dir)
-        resume.check_output_dirs(self.output_dir, cfg.callbacks, environment.restarted())
+        going_on = continuing(self.output_dir)  # a restart, or the launch that wrote its checkpoints (engine.runs.dirs)
+        resume.check_output_dirs(self.output_dir, cfg.callbacks, going_on)
         make_output_dirs(cfg)
         seed_run(cfg.seed)
         set_matmul_precision(cfg.float32_matmul_precision)
-        self.ckpt_path: str | None = resume.resume_point(self.output_dir, environment.restarted(), cfg.ckpt_path)
+        self.ckpt_path: str | None = resume.resume_point(self.output_dir, going_on, cfg.ckpt_path)
         self._resumed: dict = {}
         self._stretch: list[Any] = []
         self._metrics: dict[str, float] = {}
