@@ -64,9 +64,10 @@ bench:  ## the speed suite on CPU (about 20 minutes)
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/profile_run.py
 
-# benchmarks/results/step_loop_gpu.{json,png}
-bench-gpu:  ## on one CUDA GPU: the step loop against bare Lightning there
+# benchmarks/results/step_loop_gpu.{json,png} and gpu_models_<device>.{json,png}
+bench-gpu:  ## on one CUDA GPU: the step loop, and ResNet-50 and a GPT-2-small, against bare Lightning there
 	$(BIN)/python benchmarks/step_loop.py --accelerator gpu
+	$(BIN)/python benchmarks/gpu_models.py
 
 # its venv needs rootutils and hydra-colorlog from pip
 bench-peer:  ## the startup and whole-run figures against lightning-hydra-template
