@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock upgrade test test-fast test-gpu lint docs docs-build bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
+.PHONY: help install lock upgrade test test-long fuzz test-fast test-gpu lint docs docs-build bench bench-gpu bench-peer bench-pipeline bench-tests train tensorboard tensorboard-shots devices clean
 
 help:  ## this list: every target and what it does
 	@awk 'BEGIN {FS = ":.*##"} /^[a-z][a-z-]*:.*##/ {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -29,8 +29,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # three test files at a time on 2 cores: many tests wait on processes they started
-test:  ## the whole suite, end-to-end tests and every doc command included
-	$(BIN)/pytest -n 3 --dist loadfile
+test:  ## the suite, end-to-end tests and every doc command included, less the longest (make test-long)
+	$(BIN)/pytest -n 3 --dist loadfile -m "not long"
+
+test-long:  ## the longest end-to-end tests: several nodes, SLURM requeues, kills mid-save (CI runs them)
+	$(BIN)/pytest -n 3 --dist loadfile -m long
+
+fuzz:  ## the generated-input tests with FUZZ_EXAMPLES (default 500) cases each, not make test's few
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-500} $(BIN)/pytest -n 2 tests/test_fuzz.py
 
 test-fast:  ## everything but the end-to-end and multi-process tests
 	$(BIN)/pytest -m "not slow"

@@ -67,7 +67,6 @@ LONGEST_FIRST = (
     "test_trainer_options.py",
     "test_cli.py",
     "test_your_model.py",
-    "test_readme_second_half.py",
     "test_fault_tolerance.py",
     "test_signals.py",
     "test_slurm.py",
@@ -82,10 +81,84 @@ LONGEST_FIRST = (
 )
 
 
+# The longest tests that no doc command needs (14 s or more each on a busy 2-core machine, measured with
+# `pytest --durations`): marked `long`, so `make test` stays within minutes; CI runs them too (`make test-long`).
+LONG_FILES = ("test_torchrun_nodes.py", "test_slurm_nodes.py", "test_bench_gpu.py", "test_service_failures.py")
+LONG = (
+    "test_averaging.py::test_a_killed_run_resumes_the_average_bit_for_bit_and_not_without_the_callback",
+    "test_averaging.py::test_swa_on_a_users_module_is_the_mean_of_the_epoch_ends_from_start_epoch_on",
+    "test_checkpoints.py::test_eval_py_refuses_a_hostile_checkpoint_and_touches_nothing",
+    "test_cli.py::test_an_epoch_resumed_at_its_end_logs_no_empty_train_metrics",
+    "test_cli.py::test_bad_input_is_one_error_line_and_no_output",
+    "test_cli.py::test_ddp_two_cpu_processes_share_one_run_dir_and_split_the_data",
+    "test_cli.py::test_default_run_reaches_95_percent_on_real_digits",
+    "test_cli.py::test_resume_continues_at_the_next_epoch_with_the_best_so_far",
+    "test_cluster.py::test_torchrun_starts_the_ranks_and_lightning_launches_none",
+    "test_compile.py::test_a_compiled_users_cnn_trains_as_the_eager_one_and_its_checkpoint_evaluates_uncompiled",
+    "test_config.py::test_option_composes_builds_and_trains",
+    "test_disk_errors.py::test_a_full_disk_in_a_checkpoint_write_keeps_the_templates_own_words",
+    "test_equivalence.py::test_every_strategy_takes_the_same_steps_as_one_device",
+    "test_example_table.py::test_it_trains_and_evaluates_on_its_own_metric",
+    "test_example_text.py::test_a_run_killed_mid_epoch_resumes_bit_for_bit",
+    "test_example_text.py::test_fsdp_shards_a_unit_per_block_and_recomputing_them_changes_nothing",
+    "test_example_text.py::test_it_exports_for_any_prompt_length_up_to_its_context",
+    "test_example_text.py::test_the_pipeline_cut_at_a_block_takes_one_devices_steps",
+    "test_export.py::test_a_sharded_fsdp_checkpoint_is_gathered_and_exported",
+    "test_export.py::test_every_net_exports_and_matches_pytorch_on_the_test_set",
+    "test_fault_tolerance.py::test_a_diverging_sweep_job_is_recorded_and_the_sweep_goes_on",
+    "test_fault_tolerance.py::test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole",
+    "test_fault_tolerance.py::test_a_run_diverging_in_two_processes_says_so_once",
+    "test_fsdp.py::test_fsdp_shards_trains_checkpoints_resumes_and_evaluates",
+    "test_fuzz.py::test_any_override_composes_or_is_refused_in_one_line",
+    "test_hostile.py::test_a_checkpoints_stored_paths_and_sizes_are_checked_before_use",
+    "test_hostile.py::test_an_unwritable_export_target_is_one_line",
+    "test_hostile.py::test_bad_image_files_are_named_or_skipped_and_counted",
+    "test_hostile.py::test_no_entry_point_overwrites_what_it_did_not_create",
+    "test_hostile.py::test_nodes_started_by_hand_share_the_directory_the_user_names",
+    "test_hostile.py::test_two_launches_into_one_named_directory_one_is_refused_and_each_launchs_processes_join",
+    "test_models.py::test_model_fast_dev_run_on_default_data",
+    "test_optuna.py::test_a_killed_search_resumes_without_repeating_finished_trials",
+    "test_optuna.py::test_a_search_of_a_metric_lower_is_better_minimizes_it",
+    "test_optuna_dashboard.py::test_the_dashboard_shows_the_trials_the_sweep_summary_lists",
+    "test_parallel_sweeps.py::test_a_kill_9_of_the_sweep_stops_its_workers_jobs_as_a_sigterm_would",
+    "test_parallel_sweeps.py::test_an_optuna_search_starts_the_next_trial_as_soon_as_a_worker_is_free",
+    "test_pipeline.py::test_a_forward_around_the_net_runs_under_the_pipeline_as_on_one_device",
+    "test_pipeline.py::test_a_gpt_written_the_nanogpt_way_is_cut_at_a_block_and_trains_as_on_one_device",
+    "test_pipeline.py::test_nets_written_as_users_write_them_take_the_same_steps_as_one_device",
+    "test_predict.py::test_predict_writes_one_row_per_input_in_order_with_the_models_probabilities",
+    "test_signals.py::test_a_signal_between_training_steps_is_honoured",
+    "test_signals.py::test_a_signal_to_ddp_spawns_main_process_as_its_workers_start_ends_the_run_in_one_line",
+    "test_signals.py::test_a_signal_to_ddp_spawns_main_process_stops_its_workers_as_under_ddp",
+    "test_signals.py::test_the_jobs_of_a_sequential_sweep_start_with_the_signal_handlers_the_sweep_had",
+    "test_slurm.py::test_a_job_requeued_mid_epoch_resumes_its_own_checkpoint_bit_for_bit",
+    "test_slurm.py::test_a_sweep_on_slurm_runs_its_ddp_jobs_on_the_cluster_and_records_a_failed_one",
+    "test_summary.py::test_a_sweep_with_a_failed_job_gets_its_summary_before_the_non_zero_exit",
+    "test_sweeps.py::test_ddp_sweep_runs_each_jobs_config_on_all_its_ranks_and_goes_on_after_a_crashed_rank",
+    "test_tensorboard.py::test_the_server_shows_the_runs_by_name_with_their_scalars",
+    "test_tensorboard_figures.py::test_an_evaluation_draws_the_test_sets_figures_for_a_users_net",
+    "test_trackers.py::test_a_tracker_run_that_cannot_go_on_ends_the_run_at_once_in_one_line",
+    "test_trainer_options.py::test_ddp_spawn_trains_a_users_own_lightning_module",
+    "test_trainer_options.py::test_ddp_spawn_trains_and_tests_on_two_cpu_processes",
+    "test_trainer_options.py::test_forked_workers_train_and_test_with_the_default_logger",
+    "test_tune.py::test_apply_trains_with_the_value_as_the_override_would",
+    "test_tune.py::test_the_lr_finder_on_a_users_net_writes_its_plot_and_the_override_and_trains_nothing",
+    "test_your_data.py::test_a_plain_dataloader_resumes_mid_epoch_bit_for_bit",
+    "test_your_model.py::test_a_net_with_a_layer_forward_does_not_use_is_refused_in_one_line_by_ddp_and_fsdp",
+    "test_your_model.py::test_predict_runs_a_users_module_without_a_predict_step_on_its_images",
+    "test_your_model.py::test_resuming_a_users_module_with_other_arguments_is_refused_in_one_line",
+    "test_your_model.py::test_trains_resumes_evaluates_predicts_and_exports",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest files first; the order within a file stays as written (the README's commands run in order)."""
+    """Longest files first; the order within a file stays as written (the README's commands run in order). The
+    tests in LONG and LONG_FILES get the `long` mark."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    long = set(LONG)
+    for item in items:
+        if item.path.name in LONG_FILES or item.nodeid.removeprefix("tests/").split("[")[0] in long:
+            item.add_marker(pytest.mark.long)
 
 
 WARM = Warm()  # this test process's warm interpreter (tests/warm.py), started on first use
