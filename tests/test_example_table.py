@@ -65,6 +65,18 @@ def test_it_scores_the_rows_of_a_csv(cli, tmp_path, trained):
     assert (predicted / "predictions.parquet").is_file()
 
 
+def test_what_its_datamodule_refuses_to_predict_on_is_one_line_and_leaves_no_run(cli, tmp_path, trained):
+    """It was a ValueError traceback from inside Lightning's predict loop, and a predict run dir left behind."""
+    for given, said in [
+        ([], "error: data: ValueError: nothing to predict on: pass data.predict_path=<a CSV of feature rows>"),
+        (["data.predict_path=nope.csv"], "error: data: FileNotFoundError: [Errno 2] No such file or directory"),
+    ]:
+        proc = cli("predict.py", f"ckpt_path={best(trained)}", *given, "print_config=false", env=TINY, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().startswith(said), proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "logs" / "predict").exists()
+
+
 @pytest.mark.parametrize("fmt", ["onnx", "torch_export"])
 def test_it_exports_for_any_number_of_rows(cli, tmp_path, trained, fmt):
     out = tmp_path / ("model.onnx" if fmt == "onnx" else "model.pt2")

@@ -74,6 +74,18 @@ def _data_config(cfg: DictConfig, train_config: dict) -> DictConfig:
     return merged  # type: ignore[return-value]
 
 
+def _check_predict_data(datamodule: Any) -> None:
+    """The DataModule's predict_dataloader made once before any process starts: a value it refuses (no
+    data.predict_path, a file that is not there) is one line, as a refused value of its constructor is (engine.build),
+    not a traceback from inside Lightning's loop."""
+    try:
+        datamodule.setup("predict")
+        datamodule.predict_dataloader()
+    except (ValueError, OSError) as e:
+        reason = " ".join(str(e).split())
+        raise UserError(f"data: {type(e).__name__}: {reason}") from e
+
+
 class PredictRun:
     """`model`: the checkpoint's LightningModule with all its weights (a sharded checkpoint's gathered), in eval mode.
     `datamodule`: what to predict on: with `input=`, those images read as the model's training data was; else the
@@ -112,6 +124,7 @@ class PredictRun:
             state = datamodule_state(cfg.ckpt_path, train_config)
             if state and callable(getattr(self.datamodule, "load_state_dict", None)):
                 self.datamodule.load_state_dict(state)  # what it learned in training (a table's statistics)
+            _check_predict_data(self.datamodule)
         build.check(cfg)
         make_output_dirs(cfg)
         self.output_dir = Path(cfg.paths.output_dir)
