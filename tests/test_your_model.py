@@ -1,4 +1,4 @@
-"""The three ways to bring a model (README, Add your model), each through the whole template, at the test profile's
+"""The three ways to bring a model (docs/your-model.md), each through the whole template, at the test profile's
 sizes: a tutorial-style CNN of a user's package inside the classifier, a torchvision factory, and a LightningModule of
 another task (the autoencoder). One device: train, resume, eval, predict, export; ddp and fsdp on 2 CPU processes;
 pipe and pipeline for the LightningModule whose forward is the net (the nets inside the classifier run under pipe

@@ -1,5 +1,5 @@
 """Models written the way users write them, not the way this template does: every feature is tested with these
-too (README, Add your model). None is an nn.Sequential; none is the template's ImageClassifier net."""
+too (docs/your-model.md). None is an nn.Sequential; none is the template's ImageClassifier net."""
 
 import lightning.pytorch as L
 import torch

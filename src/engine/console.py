@@ -27,7 +27,8 @@ def ignore_known_warnings() -> None:
     """In the process that parsed the command line, in a parallel sweep's workers (which start at `run`), in
     ddp_spawn's workers (engine.strategies.ddp) and wherever a Trainer is built (engine.build)."""
     # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
-    # start this run with it; runs under SLURM start with srun (README, SLURM), and this one was meant to run here
+    # start this run with it; runs under SLURM start with srun (docs/several-nodes-and-slurm.md), and this one was
+    # meant to run here
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

@@ -1,6 +1,6 @@
-"""What a model of yours must be for this template, checked at start with one line each (README, Add your model):
-a LightningModule (a plain nn.Module goes inside ImageClassifier as its `net`); hyperparameters of plain values
-only, so that every checkpoint loads with torch.load(weights_only=True) later (eval, predict, export, resume); a
+"""What a model of yours must be for this template, checked at start with one line each (docs/your-model.md, The
+contract): a LightningModule (a plain nn.Module goes inside ImageClassifier as its `net`); hyperparameters of plain
+values only, so that every checkpoint loads with torch.load(weights_only=True) later (eval, predict, export, resume); a
 test_step when the run tests; and a forward that takes the data's images (channels, size) and, for a classifier,
 has as many outputs as the data has classes. That last one runs the forward on two images of the data's shape on
 the meta device (no memory, no compute) before any data is read."""
@@ -75,7 +75,7 @@ def check(model: Any, datamodule: Any, test: bool = False, train: bool = True) -
     if not isinstance(model, L.LightningModule):
         raise UserError(
             f"model._target_ builds a {type(model).__name__}, not a LightningModule; put an nn.Module inside the "
-            "classifier instead: model=tiny_cnn model.net._target_=<your net> (README, Add your model)"
+            "classifier instead: model=tiny_cnn model.net._target_=<your net> (docs/your-model.md)"
         )
     if test and not is_overridden("test_step", model):
         raise UserError(

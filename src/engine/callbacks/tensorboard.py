@@ -163,7 +163,8 @@ class TensorBoardInsights(L.Callback):
             if not self._said and trainer.is_global_zero and (self.images or self.confusion_matrix):
                 log.info(
                     "TensorBoard: no sample grid or confusion matrix for %s: its %s returns no "
-                    "{'preds': ..., 'target': ...} (a classifier's); it may log figures of its own (README)",
+                    "{'preds': ..., 'target': ...} (a classifier's); it may log figures of its own "
+                    "(docs/tensorboard-and-trackers.md)",
                     type(pl_module).__name__,
                     step,
                 )

@@ -41,8 +41,8 @@ class InputSpec:
 
 
 def of_module(module: Any) -> InputSpec | None:
-    """What a LightningModule says it takes, if it says so: an `input_spec` attribute or method (README, Add your
-    model); it comes before the data's."""
+    """What a LightningModule says it takes, if it says so: an `input_spec` attribute or method
+    (docs/your-model.md); it comes before the data's."""
     spec = getattr(module, "input_spec", None)
     spec = spec() if callable(spec) else spec
     if spec is not None and not isinstance(spec, InputSpec):

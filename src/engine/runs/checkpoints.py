@@ -107,7 +107,10 @@ def run_config(path: Path, ckpt: dict) -> dict:
     hyperparameters)."""
     config = ckpt.get(CONFIG_KEY) or ckpt.get("hyper_parameters") or {}
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-        raise UserError(f"ckpt_path={path}: holds no run config; it was not written by this project's train.py")
+        raise UserError(
+            f"ckpt_path={path}: holds no run config; it was not written by this project's train.py, or written "
+            "without the run_state callback (conf/callbacks/checkpoints.yaml lists it): keep it in callbacks"
+        )
     return config
 
 

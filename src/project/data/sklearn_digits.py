@@ -1,5 +1,5 @@
-"""The README's "Add your data set" example: scikit-learn's 1,797 8x8 digits, upscaled to MNIST's 28x28 so
-every template net takes them (copy this file to start yours). scikit-learn comes with mlxtend; no download."""
+"""The "Add your data" example (README, docs/your-data.md): scikit-learn's 1,797 8x8 digits, upscaled to MNIST's
+28x28 so every template net takes them (copy this file to start yours). scikit-learn comes with mlxtend; no download."""
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """An autoencoder on images: a LightningModule of another task than classification, written the way most
 LightningModules in the wild are (save_hyperparameters, the optimizer in configure_optimizers), as the classic
-multi-node DDP tutorial's model is. It is the README's worked example of "your own LightningModule": it logs
-val/loss (model=autoencoder picks monitor=val_loss), draws its reconstructions in TensorBoard, predicts the
+multi-node DDP tutorial's model is. It is the worked example of "your own LightningModule" (docs/your-model.md): it
+logs val/loss (model=autoencoder picks monitor=val_loss), draws its reconstructions in TensorBoard, predicts the
 latent code of each image and exports its reconstruction."""
 
 from typing import Any

@@ -1,4 +1,5 @@
-"""The README's "Add your model" example: a small CNN for images of any size (copy this file to start yours)."""
+"""The "Add your model" example (README, docs/your-model.md): a small CNN for images of any size (copy this file to
+start yours)."""
 
 import torch
 import torch.nn.functional as F
