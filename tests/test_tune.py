@@ -60,6 +60,25 @@ def test_apply_trains_with_the_value_as_the_override_would(cli, tmp_path):
         assert torch.equal(value, again[name]), name
 
 
+def test_a_tuned_run_stopped_while_training_says_a_command_that_continues_it(tmp_path):
+    """It said `ckpt_path=... added to the run's command`, and that command (tune=lr, tune.apply=true) was refused:
+    the finders tune a fresh model. Now the tune overrides give way to the value found, as its override."""
+    import shlex
+
+    from test_fault_tolerance import RUN, train
+
+    args = [*RUN, "tune=lr", "tune.apply=true"]
+    stopped = train(tmp_path / "work", *args, env={"KILL_AT_STEP": "4", "KILL_SIGNAL": "SIGTERM"}, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if "continue with: " in line]
+    (run,) = run_dirs(tmp_path / "work" / "logs")
+    found = json.loads((run / "tune.json").read_text())["override"]
+    command = shlex.split(line.split("continue with: ")[1])
+    assert command[:2] == ["python", "train.py"] and found in command and not any(a.startswith("tune") for a in command)
+    resumed = train(tmp_path / "resumed", *command[2:])
+    assert "Resuming from " in resumed.stderr + resumed.stdout
+
+
 def test_ctrl_c_stops_a_search_at_once_and_leaves_nothing(tmp_path):
     """The run's own signal handling acts in callbacks, which the finders set aside while they search: Ctrl-C
     went unheard until the search ended (minutes for a long one). Now it stops the search, exit 130."""

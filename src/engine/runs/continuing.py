@@ -1,9 +1,11 @@
 """The command that continues a stopped run, as its stop line says it (engine.callbacks.checks): pasted as it is,
 it resumes from the checkpoint just saved, with the run's own settings."""
 
+import json
 import os
 import re
 import shlex
+from pathlib import Path
 
 
 def resume_override(path: str) -> str:
@@ -20,7 +22,7 @@ def continue_command(path: str) -> str:
     """For a plain `python train.py` run: that command with the run's own overrides and `ckpt_path=<path>` (a
     resume with other settings, another model or schedule, is refused, so the overrides come along), less those a
     resume refuses or does itself: its output folders (it writes into a new run dir) and the profile that
-    $PROJECT_PROFILE adds. For a sweep's job, a tuned run (its tuned value is in the checkpoint, not in an override),
+    $PROJECT_PROFILE adds; for a tuned run, the tune overrides give way to the value found. For a sweep's job,
     or a run torchrun, SLURM or nodes started by hand launched: `ckpt_path=<path>` to add to the command that
     started it (on every node)."""
     from hydra.core.hydra_config import HydraConfig
@@ -35,9 +37,23 @@ def continue_command(path: str) -> str:
         return f"{resume} added to the run's command"
     overrides = list(HydraConfig.get().overrides.task)
     key = lambda override: override.lstrip("+~").split("=", 1)[0]  # noqa: E731
+    tuned: list[str] = []
     if any(key(o) == "tune" or key(o).startswith("tune.") for o in overrides):
-        return f"{resume} added to the run's command"
-    left_out = re.compile(r"ckpt_path|paths\.output_dir|callbacks\.[^.]+\.dirpath|logger\.[^.]+\.save_dir")
+        tuned = _tuned_override(Path(HydraConfig.get().runtime.output_dir))
+        if not tuned:
+            return f"{resume} added to the run's command"
+    # a resume tunes nothing (tune with ckpt_path is refused): the value the finder found, as the override it wrote
+    left_out = re.compile(r"ckpt_path|paths\.output_dir|callbacks\.[^.]+\.dirpath|logger\.[^.]+\.save_dir|tune(\..*)?")
     profile = f"profile={os.environ.get(PROFILE)}"
     kept = [o for o in overrides if o != profile and not left_out.fullmatch(key(o))]
-    return shlex.join(["python", "train.py", *kept, resume])
+    kept = [o for o in kept if not tuned or key(o) != key(tuned[0])]
+    return shlex.join(["python", "train.py", *kept, *tuned, resume])
+
+
+def _tuned_override(run_dir: Path) -> list[str]:
+    """The override of the value a `tune=... tune.apply=true` run trained with (engine.tasks.tune's tune.json)."""
+    try:
+        override = json.loads((run_dir / "tune.json").read_text()).get("override")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [override] if isinstance(override, str) and "=" in override else []
