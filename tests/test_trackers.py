@@ -7,6 +7,7 @@ their params, metrics, best checkpoint and sweep parent through its REST API; W&
   server starts.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -345,3 +346,39 @@ def _exit_codes(run: Any, within: float = 30.0) -> list[int]:
         if codes or time.monotonic() > deadline:
             return codes
         time.sleep(0.1)
+
+
+def test_a_run_resumed_twice_from_one_checkpoint_never_writes_over_an_mlflow_artifact(tmp_path):
+    """Each resume of a finished run continues its MLflow run; two from the same checkpoint train the same epochs
+    again (seeded: the same best epoch), so the second one's best checkpoint has a name the MLflow run holds already.
+    It goes under checkpoints/<its run dir's name>/, and every artifact logged before keeps its bytes. Before: the
+    earlier epoch_002.ckpt was written over with other bytes, silently."""
+    from mlflow.tracking import MlflowClient
+
+    work = tmp_path / "work"
+    train(work, "logger=mlflow")
+    (first,) = run_dirs(work / "logs")
+    resume = ["logger=mlflow", f"ckpt_path={first}/checkpoints/last.ckpt", "trainer.max_epochs=4"]
+    artifacts = work / "logs" / "mlartifacts"
+
+    def logged() -> dict[str, str]:
+        return {
+            str(p.relative_to(artifacts)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in artifacts.rglob("*")
+            if p.is_file()
+        }
+
+    train(work, *resume, "stretch_schedule=true")
+    before = logged()
+    train(work, *resume, "stretch_schedule=true")
+    after = logged()
+    third = run_dirs(work / "logs")[-1]
+    assert {name: after[name] for name in before} == before  # not one byte written over
+    (added,) = set(after) - set(before)
+    best = next((third / "checkpoints").glob("epoch_*.ckpt"))
+    assert added.endswith(f"/artifacts/checkpoints/{third.name}/{best.name}")
+    assert after[added] == hashlib.sha256(best.read_bytes()).hexdigest()
+    assert any(name.endswith(f"/artifacts/checkpoints/{best.name}") for name in before)  # the name it would have had
+    store = ids(third)["mlflow"]
+    tags = MlflowClient(store["tracking_uri"]).get_run(store["run_id"]).data.tags
+    assert tags["best_checkpoint"] == f"checkpoints/{third.name}/{best.name}"

@@ -5,12 +5,33 @@ Lightning's MLFlowLogger, with what it leaves out here: params are the whole res
 end of fit; a resumed run continues its MLflow run (the id is kept in the run dir, engine.loggers.tracking);
 each job of a sweep is a child of one parent run of the sweep (engine.sweeps.mlflow_runs). mlflow is imported
 only when a run starts (it costs about a second).
+
+A tracker holds a copy: what a run measures is in its own dir (checkpoints, fit_metrics.json, test_metrics.json,
+its log), written whatever the tracker does. So a tracker that fails stops a run only before it trains:
+- at start, a store or server that cannot be used (no answer, another format, a full disk, a run deleted from it)
+  refuses the run in one line, exit 2, and a store this run had just created is removed again;
+- mid-run, MLflow's writes are made in order by a thread of their own (_Writer): training never waits on the
+  network or on the store's disk. The first write that fails (a server that died or stopped answering, a full
+  disk under the store) is said in one `warning:` line, MLflow gets nothing more from this run, and the run goes
+  on and ends as it would have: its files, its exit code, the command to continue it after a stop. Every request
+  gives up within about 27 s (engine.sweeps.mlflow_runs.REQUEST_LIMITS); the end of a fit waits for the writes
+  still queued until they are made or one fails, and a stop (SIGTERM, SIGINT) waits a few seconds at most.
+- a metric name MLflow would refuse (over 250 characters, not a clean path: `a//b`) or merge with another (it
+  drops characters: `acc%` and `acc` would be one metric) ends the run at its first log, in one line naming them:
+  a mistake in the code that logs it, which only grows with every step logged.
+- an artifact is never written over: a best checkpoint whose name the MLflow run holds already (a run resumed
+  twice from one checkpoint trains the same epochs again) goes under `checkpoints/<this run dir's name>/`.
 """
 
 import contextlib
 import logging
+import posixpath
+import queue
 import re
-from collections.abc import Mapping
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +39,14 @@ from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from engine.errors import UserError
+from engine.errors import UserError, say
 from engine.loggers import tracking
 from engine.sweeps import mlflow_runs as mlflow_sweep
 
 log = logging.getLogger(__name__)
 
 NAME = "mlflow"
+STOP_WAIT_S = 3.0  # at a stop (SIGTERM, an error), how long the writes still queued may take before they are dropped
 
 
 def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -63,6 +85,14 @@ def _store_lock(tracking_uri: str) -> contextlib.AbstractContextManager[None]:
     return tracking.locked(f"{database}.lock")
 
 
+def _remove_new_store(database: Path) -> None:
+    """A sqlite store this run created and could not finish (a full disk, a folder that is not writable): its file
+    and sqlite's companions, so that nothing half-made is left for the next run to trip over."""
+    for path in (database, *(database.with_name(database.name + end) for end in ("-journal", "-wal", "-shm"))):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def _check_server(tracking_uri: str) -> None:
     """A tracking server that does not answer ends the run at once: MLflow's client would retry every request
     for minutes (7 retries with a growing backoff) before it says so."""
@@ -81,6 +111,91 @@ def _check_server(tracking_uri: str) -> None:
             f"logger.mlflow.tracking_uri={tracking_uri}: no server answers there ({reason}); start it (README, "
             "Experiment tracking) or leave tracking_uri to the local store"
         ) from e
+
+
+@contextlib.contextmanager
+def _until_a_signal() -> Iterator[threading.Event]:
+    """While the main thread waits for something a signal should cut short: an Event set by SIGTERM and SIGINT, which
+    then reach their own handlers as before (the run's, which stop it; Python's, which raises KeyboardInterrupt)."""
+    came = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield came
+        return
+    before: dict[int, Any] = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: Any) -> None:
+        came.set()
+        previous = before[signum]
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:  # what it would have done: end the process
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    for signum, previous in before.items():
+        if previous is not None and previous != signal.SIG_IGN:
+            signal.signal(signum, handler)
+    try:
+        yield came
+    finally:
+        for signum, previous in before.items():
+            if previous is not None and previous != signal.SIG_IGN:
+                signal.signal(signum, previous)
+
+
+class _Writer:
+    """The MLflow writes of one run, made in order by a daemon thread of their own: the training loop only queues
+    them. The first one that fails is passed to `failed(error, what)` once, and every write after it is dropped."""
+
+    def __init__(self, failed: Callable[[BaseException, str], None]) -> None:
+        self._failed = failed
+        self.error: BaseException | None = None
+        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def put(self, what: str, job: Callable[[], Any]) -> None:
+        if self.error is not None:
+            return
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((what, job))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlflow-writes", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            what, job = item
+            try:
+                if self.error is None:
+                    job()
+            except BaseException as e:  # whatever the store or the server did: the run goes on without them
+                self.error = e
+                self._failed(e, what)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def wait(self, limit: float | None) -> bool:
+        """Until every write queued is made, or dropped after a failure (each request gives up on its own: see
+        REQUEST_LIMITS), at most `limit` seconds, and not past a SIGTERM or SIGINT. Then, if it is idle, the thread
+        ends (a sweep's jobs in one process would leave one each); the next write starts another. True: all done."""
+        deadline = None if limit is None else time.monotonic() + limit
+        with _until_a_signal() as signalled, self._idle:
+            while self._pending and not signalled.is_set():
+                left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            done = not self._pending
+        if done and self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+        return done
 
 
 class MLFlowLogger(LightningMLFlowLogger):
@@ -104,6 +219,10 @@ class MLFlowLogger(LightningMLFlowLogger):
         tags: dict[str, Any] | None = None,
     ) -> None:
         tracking.require("mlflow", NAME)
+        mlflow_sweep.bound_requests()  # before the first request
+        # MLflow prints a store's error on stderr (its SQL, its traceback) before raising it, which the run then says
+        # in one line; and its notes as it makes a new store's tables
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         _check_server(tracking_uri)
         self._run_dir = run_dir
         self._continued = tracking.continued(NAME, run_dir, resume_from, resume) if run_id is None else None
@@ -116,8 +235,10 @@ class MLFlowLogger(LightningMLFlowLogger):
                     f"logger.mlflow.tracking_uri to that store to continue it, or logger.mlflow.resume=false for a "
                     "new MLflow run"
                 )
-        try:
-            with _store_lock(tracking_uri):  # the client opens the store: a new sqlite file gets its tables here
+        database = _database(tracking_uri)
+        with _store_lock(tracking_uri):  # the client opens the store: a new sqlite file gets its tables here
+            new_store = database is not None and not database.exists()
+            try:
                 super().__init__(
                     experiment_name=experiment_name,
                     run_name=run_name or tracking.run_name(run_dir),
@@ -126,12 +247,26 @@ class MLFlowLogger(LightningMLFlowLogger):
                     artifact_location=artifact_location or _beside(tracking_uri, experiment_name),
                     run_id=run_id,
                 )
-        except Exception as e:  # a store of another format, a path that is not a database: one line
-            raise UserError(f"logger.mlflow: tracking_uri={tracking_uri}: {tracking.one_line(e)}") from e
+            except Exception as e:  # another format, not a database, a full disk: one line, and no half-made store
+                if new_store and database is not None:
+                    _remove_new_store(database)
+                raise UserError(
+                    f"logger.mlflow: tracking_uri={tracking_uri}: {tracking.one_line(e)}; fix the store or "
+                    "give another (logger.mlflow.tracking_uri)"
+                ) from e
         self._log_best = log_best_checkpoint
         self._params: dict[str, str] | None = None  # what the run holds already: MLflow params never change
         self._best_callbacks: list[Any] = []
         self._logged_best: dict[str, float] = {}
+        self._writer: _Writer | None = None
+        self._metric_names: dict[str, str] = {}  # a metric's name here -> its name in MLflow
+        self._metric_owners: dict[str, str] = {}  # and back: two names here must not become one there
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (ddp_spawn pickles the trainer) gets a writer of its own when it writes."""
+        state = dict(self.__dict__)
+        state["_writer"] = None
+        return state
 
     @property
     @rank_zero_experiment
@@ -149,14 +284,13 @@ class MLFlowLogger(LightningMLFlowLogger):
                     )
                     self.tags = {**(self.tags or {}), "mlflow.parentRunId": parent}
                 client = super().experiment
+            if self._continued is not None:
+                client.update_run(self._run_id, status="RUNNING")  # it ended (FINISHED, FAILED, KILLED) or was killed
+                log.info("Continuing MLflow run %s", self._run_id)
         except UserError:
             raise
-        except Exception as e:  # a store of another format, a run deleted from it: one line
-            fix = "; logger.mlflow.resume=false starts a new MLflow run" if self._continued is not None else ""
-            raise UserError(f"logger.mlflow: tracking_uri={self._tracking_uri}: {tracking.one_line(e)}{fix}") from e
-        if self._continued is not None:
-            client.update_run(self._run_id, status="RUNNING")  # it ended (FINISHED, FAILED, KILLED) or was killed
-            log.info("Continuing MLflow run %s", self._run_id)
+        except Exception as e:  # a store of another format, a run deleted from it, no answer: one line
+            raise UserError(self._refused(e)) from e
         tracking.remember(
             self._run_dir,
             NAME,
@@ -164,19 +298,47 @@ class MLFlowLogger(LightningMLFlowLogger):
         )
         return client
 
+    def _refused(self, error: BaseException) -> str:
+        """The line that ends a run whose store or server fails before it trains."""
+        fix = (
+            "logger.mlflow.resume=false starts a new MLflow run"
+            if self._continued is not None
+            else "check that an MLflow server or store is there, or leave tracking_uri to the local store"
+        )
+        return f"logger.mlflow: tracking_uri={self._tracking_uri}: {tracking.one_line(error)}; {fix}"
+
+    @property
+    def writes(self) -> _Writer:
+        """Where this run's writes go once it trains: see the module docstring."""
+        if self._writer is None:
+            self._writer = _Writer(self._writes_failed)
+        return self._writer
+
+    def _writes_failed(self, error: BaseException, what: str) -> None:
+        """Said once, from the writer's thread, when MLflow stops taking this run's writes."""
+        say(
+            f"warning: logger.mlflow: {what} failed ({tracking.one_line(error, 200)}); the run goes on without "
+            f"MLflow (its run {self._run_id} keeps what it got before), and its own files hold every result"
+        )
+
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
         """The run config under dotted keys, and (once) the config groups chosen. A key already in the run with
         another value (a resumed run with more epochs, the module's own hyperparameters) keeps its first value
-        as the param; the new one is the tag `changed.<key>`."""
+        as the param; the new one is the tag `changed.<key>`. The first call comes before training (train.py)
+        and is made at once: a store that cannot take it refuses the run; later ones go to the writer."""
         from lightning.fabric.utilities.logger import _convert_params
         from mlflow.entities import Param, RunTag
         from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH
 
-        client = self.experiment
+        client, run_id = self.experiment, self.run_id
         flat = _flatten(_convert_params(params))
+        first = self._params is None
         if self._params is None:  # the first call (train.py: the run config, before fit)
-            self._params = dict(client.get_run(self.run_id).data.params)
+            try:
+                self._params = dict(client.get_run(run_id).data.params)
+            except Exception as e:
+                raise UserError(self._refused(e)) from e
             flat = {**tracking.chosen_groups(), **flat}  # `model: lenet` beside `model.net._target_: ...`
         new, changed = {}, {}
         for key, value in flat.items():
@@ -187,11 +349,72 @@ class MLFlowLogger(LightningMLFlowLogger):
             elif self._params[key] != text:
                 changed[f"changed.{key}"[:MAX_ENTITY_KEY_LENGTH]] = str(value)[:MAX_TAG_VAL_LENGTH]
         items = [Param(k, v) for k, v in new.items()]
-        for start in range(0, len(items), 100):  # MLflow takes at most 100 params a call
-            client.log_batch(self.run_id, params=items[start : start + 100])
+        tags = [RunTag(k, v) for k, v in changed.items()]
         if changed:
-            log.info("MLflow run %s keeps its params; %d differ here: tags changed.<key>", self.run_id, len(changed))
-            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()])
+            log.info("MLflow run %s keeps its params; %d differ here: tags changed.<key>", run_id, len(changed))
+
+        def write() -> None:
+            for start in range(0, len(items), 100):  # MLflow takes at most 100 params a call
+                client.log_batch(run_id, params=items[start : start + 100])
+            if tags:
+                client.log_batch(run_id, tags=tags)
+
+        if not first:
+            self.writes.put("logging the params", write)
+            return
+        try:
+            write()
+        except Exception as e:
+            raise UserError(self._refused(e)) from e
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Queued for the writer, under the names MLflow gives them (checked: see `_metric_name`), with the time
+        they were logged."""
+        from mlflow.entities import Metric
+
+        if self.writes.error is not None:  # MLflow took no more of this run's writes: said once, dropped
+            return
+        timestamp = int(time.time() * 1000)
+        batch = [
+            Metric(key=self._metric_name(key), value=value, timestamp=timestamp, step=step or 0)
+            for key, value in metrics.items()
+            if not isinstance(value, str)  # Lightning's MLFlowLogger drops them too
+        ]
+        client, run_id = self.experiment, self.run_id
+        self.writes.put(f"logging the metrics of step {step or 0}", lambda: client.log_batch(run_id, metrics=batch))
+
+    def _metric_name(self, name: str) -> str:
+        """`name` as MLflow stores it (Lightning's MLFlowLogger drops every character other than letters, digits and
+        `_/. -`); one MLflow refuses, or that two names here would share, ends the run at its first log."""
+        known = self._metric_names.get(name)
+        if known is not None:
+            return known
+        from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH
+
+        stored = re.sub(r"[^a-zA-Z0-9_/. -]+", "", name)
+        shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+        if len(stored) > MAX_ENTITY_KEY_LENGTH:
+            raise UserError(
+                f"logger=mlflow: the metric {shown} has a name of {len(stored)} characters in MLflow, which takes "
+                f"at most {MAX_ENTITY_KEY_LENGTH}: log it under a shorter name"
+            )
+        normal = posixpath.normpath(stored)
+        if not stored or normal != stored or normal == "." or normal.startswith(("..", "/")):  # as MLflow checks
+            raise UserError(
+                f"logger=mlflow: the metric {shown} would be {stored!r} in MLflow, which refuses it (a name there "
+                "is a path: no empty part, no leading /, no . or .. part): log it under another name"
+            )
+        other = self._metric_owners.get(stored)
+        if other is not None and other != name:
+            raise UserError(
+                f"logger=mlflow: the metrics {other!r} and {shown} would both be {stored!r} in MLflow (it keeps "
+                "only letters, digits and _ / . - and spaces in a name): log one of them under another name"
+            )
+        if stored != name:
+            log.info("MLflow: the metric %r is logged as %r (characters MLflow does not take left out)", name, stored)
+        self._metric_names[name], self._metric_owners[stored] = stored, name
+        return stored
 
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         """The checkpoint callbacks that judge by a metric: their best file is logged at the end of fit."""
@@ -200,17 +423,38 @@ class MLFlowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
-        if self._initialized and status == "success" and self._log_best:
-            self._log_best_checkpoints()
-        super().finalize(status)
+        """At the end of each stage (fit, test) or a stop: the best checkpoints (after a fit), the run's status,
+        and a wait for the writes still queued: until they are made or one fails after a stage (each request is
+        bounded), STOP_WAIT_S at most after a stop or an error, and never past a signal."""
+        if not self._initialized:
+            return
+        client, run_id = self._mlflow_client, str(self._run_id)
+        if status == "success" and self._log_best:
+            best = [Path(c.best_model_path) for c in self._best_callbacks if c.best_model_path]
+            self.writes.put("logging the best checkpoint", lambda: self._log_best_checkpoints(best))
+        state = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED"}.get(status, status)
+        self.writes.put("ending the run", lambda: client.set_terminated(run_id, state))
+        self.writes.wait(None if status == "success" else STOP_WAIT_S)
 
-    def _log_best_checkpoints(self) -> None:
-        """Each best checkpoint under `checkpoints/` in the run's artifacts (once per new best), and the tag
-        `best_checkpoint` naming it; a resumed run that finds a better one adds it."""
-        for callback in self._best_callbacks:
-            path = Path(callback.best_model_path) if callback.best_model_path else None
-            if path is None or not path.is_file() or self._logged_best.get(str(path)) == path.stat().st_mtime:
+    def _log_best_checkpoints(self, paths: list[Path]) -> None:
+        """In the writer's thread: each best checkpoint in the run's artifacts (once per new best), under
+        `checkpoints/` or a folder of this run dir's own (`_folder_for`), and the tag `best_checkpoint` naming it;
+        a resumed run that finds a better one adds it."""
+        client, run_id = self._mlflow_client, str(self._run_id)
+        for path in paths:
+            if not path.is_file() or self._logged_best.get(str(path)) == path.stat().st_mtime:
                 continue
-            self.experiment.log_artifact(self.run_id, str(path), "checkpoints")
-            self.experiment.set_tag(self.run_id, "best_checkpoint", f"checkpoints/{path.name}")
+            folder = self._folder_for(path.name)
+            client.log_artifact(run_id, str(path), folder)
+            client.set_tag(run_id, "best_checkpoint", f"{folder}/{path.name}")
             self._logged_best[str(path)] = path.stat().st_mtime
+
+    def _folder_for(self, name: str) -> str:
+        """`checkpoints`, unless the MLflow run holds a file `name` there already (an earlier part of it logged that
+        epoch: a run resumed twice from one checkpoint trains the same epochs again); then `checkpoints/<this run
+        dir's name>` (`-2`, `-3`, ... after it if that is taken too). No artifact is ever written over."""
+        own = f"checkpoints/{Path(self._run_dir).name}"
+        for folder in ("checkpoints", own, *(f"{own}-{n}" for n in range(2, 1000))):
+            if name not in {Path(f.path).name for f in self._mlflow_client.list_artifacts(str(self._run_id), folder)}:
+                return folder
+        raise RuntimeError(f"{name}: 1000 checkpoints of that name in MLflow run {self._run_id}")

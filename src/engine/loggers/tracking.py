@@ -9,9 +9,11 @@ same way. Imports nothing heavy: the config check imports the loggers' modules.
 
 import contextlib
 import fcntl
+import html
 import importlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,34 @@ def require(module: str, logger: str) -> None:
         raise UserError(f"logger={logger} needs the {module} package ({e}); install it with: {INSTALL}") from e
 
 
-def one_line(error: BaseException) -> str:
-    """A tracker library's error (often several lines, a server's whole reply) as the tail of a UserError."""
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """A tracker's or a storage's error (often several lines, a server's whole reply) as the tail of a one-line
+    message: its type and `readable` text."""
+    return f"{type(error).__name__}: {readable(str(error))[:limit]}"
+
+
+def readable(text: str) -> str:
+    """`text` as one line a person reads: SQLAlchemy's statement, parameters and link (`[SQL: INSERT ...]`, which
+    MLflow and Optuna pass on in their own errors) left out, an HTML page (a web server's 404 where an API was
+    expected) reduced to the words it shows, whitespace collapsed."""
+    text = re.split(r"\s*\[SQL: ", text, maxsplit=1)[0]  # the statement, then its parameters: the rest of the text
+    text = re.sub(r"\s*\(Background on this error at: [^)]*\)", "", text)
+    text = re.sub(r"\(raised as a result of Query-invoked autoflush;[^)]*\)\s*", "", text)  # when, not what
+    # urllib3's report of the last try, whose cause is what happened: "HTTPConnectionPool(host=..., port=...): Max
+    # retries exceeded with url: /api/... (Caused by ReadTimeoutError("HTTPConnectionPool(...): Read timed out."))"
+    retries = r"HTTPS?ConnectionPool\([^)]*\): Max retries exceeded with url: \S+ \(Caused by (\w+)\((.*)\)\)"
+    text = re.sub(retries, _last_try, text, flags=re.DOTALL)
+    if re.search(r"<\s*(!doctype|html|head|body)\b", text, flags=re.IGNORECASE):
+        for hidden in ("head", "script", "style"):  # the title repeats the heading; code shows nothing
+            text = re.sub(rf"<{hidden}\b.*?</{hidden}\s*>", " ", text, flags=re.IGNORECASE | re.DOTALL)
+        text = html.unescape(re.sub(r"<[^>]*>?", " ", text))
+    return " ".join(text.split())
+
+
+def _last_try(match: re.Match[str]) -> str:
+    """`ReadTimeoutError: Read timed out. (read timeout=8)`, from urllib3's cause of its last try."""
+    said = re.sub(r"^(<[^>]*>|HTTPS?Connection(Pool)?\([^)]*\)): ", "", match.group(2).strip("\"'"))
+    return f"{match.group(1)}: {said}"
 
 
 def sweep_dir() -> str | None:
@@ -108,9 +135,34 @@ def continued(tracker: str, run_dir: str, resume_from: str | None, resume: bool)
 
 @contextlib.contextmanager
 def locked(path: str | Path) -> Iterator[None]:
-    """An exclusive lock on `path` (created if missing) between processes: parallel sweep jobs that would each
-    create the sweep's parent run, or each create the tables of a new MLflow database."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+    """An exclusive lock on `path` between processes: parallel sweep jobs that would each create the sweep's parent
+    run, or each create the tables of a new MLflow database. The file exists while it is held, and is removed by its
+    holder before the lock is let go; one that went away while this process waited for it is opened again (the
+    same file for everyone who holds the lock, and no lock file left behind)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        handle = open(path, "a")  # an empty file: no byte to write, so a full disk does not stop it
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        except BaseException:
+            handle.close()
+            raise
+        if same_file(handle, path):
+            break
+        handle.close()  # its holder removed it: the lock is the file now at `path`
+    try:
         yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # still held: whoever opened this file before waits, then sees it is gone
+        handle.close()
+
+
+def same_file(handle: Any, path: Path) -> bool:
+    """Whether the open file `handle` is the file at `path` (not one removed, or replaced, since it was opened)."""
+    try:
+        here, there = os.fstat(handle.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

@@ -6,6 +6,7 @@ dir makes it the only one when jobs start at once (hydra/launcher=parallel). Imp
 (`python -m engine.sweeps.summary`) calls it too.
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,25 @@ from engine.loggers import tracking
 
 NAME = "mlflow"
 SUMMARY_FILES = ("summary.md", "summary.csv", "summary.png")
+
+# How long MLflow's client waits for a tracking server, unless the environment says otherwise. Its own defaults
+# (120 s per try, 7 retries, a backoff that doubles from 2 s, and whatever wait a reply's Retry-After asks for)
+# held a run whose server died for 8.5 minutes; with these a server that accepts and never answers fails a
+# request after at most 3 x 8 + 2.5 = 26.5 s, a closed port after 2.5 s. MLflow reads them at each request: set
+# before the first (engine.loggers.mlflow, log_summary).
+REQUEST_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "8",  # seconds to connect, and to wait for an answer
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # no wait before the first retry, 2 s before the second
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    "MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER": "false",  # a busy server's Retry-After: 600 would be 10 minutes
+}
+
+
+def bound_requests() -> None:
+    """REQUEST_LIMITS for this process and those it starts, where the user set no value of their own."""
+    for name, value in REQUEST_LIMITS.items():
+        os.environ.setdefault(name, value)
 
 
 def parent_run(client: Any, sweep_dir: str, experiment_name: str, artifact_location: str | None) -> tuple[str, str]:
@@ -44,6 +64,7 @@ def log_summary(sweep_dir: Path) -> None:
     if parent is None:
         return
     tracking.require("mlflow", NAME)
+    bound_requests()
     from mlflow.tracking import MlflowClient
 
     try:

@@ -7,10 +7,14 @@ per invocation, stops at the first failed trial and leaves killed trials RUNNING
 - a failed trial is FAIL with its one-line error, and the sweep goes on (outcome.py);
 - jobs find their trial through hydra.job.env_set (job.py), to report per-epoch values for pruning;
 - with hydra/launcher=parallel, n_jobs trials stay in flight: no batches (in_flight.py);
-- the sweep dir names its study (optuna_study.yaml), for the summary's Optuna plots (plots.py).
+- the sweep dir names its study (optuna_study.yaml), for the summary's Optuna plots (plots.py);
+- a storage that fails is one line (study.storage_failure): refused at start with nothing left behind (the lock,
+  a database just created, the sweep dir's files), stopped mid-sweep with the finished jobs kept, to be continued
+  by the same command.
 One sweep per study at a time.
 """
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -21,6 +25,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from engine.errors import UserError, disk_error_in
 
 from . import in_flight, outcome, space, study
 from .config import STORAGE_ENV, STUDY_ENV, STUDY_FILE, TRIAL_ID_ENV, TRIAL_NUMBER_ENV
@@ -104,29 +110,75 @@ class ProjectOptunaSweeper(Sweeper):
         return chosen + fixed + [f"++hydra.job.env_set.{k}={space.quoted(v)}" for k, v in env.items()]
 
     def sweep(self, arguments: list[str]) -> None:
-        global ACTIVE_STUDY
         parser = OverridesParser.create(config_loader=self._context.config_loader)
         search, fixed = space.split(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
         name = self._name(search, fixed)
-        self._lock = study.lock(name, self.storage)  # held while this process lives
-        the_study = ACTIVE_STUDY = study.open_study(
-            name, self.storage, self.direction, self.sampler_cfg, self.pruner_cfg
-        )
-        # written once the storage has passed: a refused sweep leaves no sweep dir (engine.entry removes it)
+        the_study = self._start(name)
+        try:
+            if self.n_jobs > 1 and in_flight.concurrent(self._launcher):
+                self._run_one_by_one(the_study, search, fixed, name)
+            else:
+                self._run_in_batches(the_study, search, fixed, name)
+            study.save_best(the_study, Path(self._config.hydra.sweep.dir) / "optimization_results.yaml")
+        except Exception as e:  # the lock goes when the process ends; the jobs' dirs stay
+            if isinstance(e, UserError):  # said already
+                raise
+            reason = study.storage_failure(e)
+            if reason is not None:
+                raise SweeperConfigError(
+                    f"hydra.sweeper.storage={self.storage}: cannot be written ({reason}), so the sweep stopped; "
+                    "make room there, then run the same command again: the study goes on from where it stopped"
+                ) from e
+            disk = disk_error_in(e)  # the sweep's own files (a failed job's error.txt, optimization_results.yaml)
+            if disk is None:
+                raise
+            raise disk from e
+
+    def _start(self, name: str) -> Any:
+        """The study, locked and opened, and the sweep dir's files that name it. Refused (a storage that cannot be
+        opened or written, a disk that is full), it leaves nothing behind: not the lock, not a database it created
+        (nor the folders made for it), not those files (engine.entry then removes the sweep dir)."""
+        global ACTIVE_STUDY
+        path = study.database(self.storage)
+        folders = [p for p in (path.parent, *path.parent.parents) if not p.exists()] if path else []
+        new_database = path is not None and not path.exists()
         sweep_dir = Path(self._config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self._config, sweep_dir / "multirun.yaml")
-        study.save_name(sweep_dir / STUDY_FILE, name, self.storage, self.direction)
-        study.retry_interrupted(the_study)
-        log.info(
-            f"Study {name} ({self.storage or 'in memory'}), direction {self.direction}: "
-            f"{study.finished(the_study)} of {self.n_trials} trials done"
-        )
-        if self.n_jobs > 1 and in_flight.concurrent(self._launcher):
-            self._run_one_by_one(the_study, search, fixed, name)
-        else:
-            self._run_in_batches(the_study, search, fixed, name)
-        study.save_best(the_study, sweep_dir / "optimization_results.yaml")
+        written = [p for p in (sweep_dir / "multirun.yaml", sweep_dir / STUDY_FILE) if not p.exists()]
+        self._lock = study.lock(name, self.storage)  # held while this process lives
+        try:
+            the_study = ACTIVE_STUDY = study.open_study(
+                name, self.storage, self.direction, self.sampler_cfg, self.pruner_cfg
+            )
+            # written once the storage has passed: a refused sweep leaves no sweep dir (engine.entry removes it)
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self._config, sweep_dir / "multirun.yaml")
+            study.save_name(sweep_dir / STUDY_FILE, name, self.storage, self.direction)
+            study.retry_interrupted(the_study)
+            log.info(
+                f"Study {name} ({self.storage or 'in memory'}), direction {self.direction}: "
+                f"{study.finished(the_study)} of {self.n_trials} trials done"
+            )
+        except BaseException as e:
+            ACTIVE_STUDY = None
+            study.release(self._lock)
+            if new_database and path is not None:
+                study.remove_new_database(path, folders)
+            for each in written:
+                with contextlib.suppress(OSError):
+                    each.unlink()
+            if not isinstance(e, Exception) or isinstance(e, UserError):  # Ctrl-C, or said already (open_study)
+                raise
+            reason = study.storage_failure(e)
+            if reason is not None:
+                raise SweeperConfigError(
+                    f"hydra.sweeper.storage={self.storage}: cannot be written ({reason}); make room there, or use a "
+                    "storage on a writable disk"
+                ) from e
+            disk = disk_error_in(e)  # the sweep dir's files
+            if disk is None:
+                raise
+            raise disk from e
+        return the_study
 
     def _too_many_failures(self, failures: int) -> bool:
         if self.max_failures is None or failures < self.max_failures:

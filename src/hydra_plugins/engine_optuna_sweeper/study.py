@@ -1,5 +1,13 @@
-"""Opening a study that may already hold trials of earlier runs of the same sweep, and what counts as done."""
+"""Opening a study that may already hold trials of earlier runs of the same sweep, and what counts as done.
 
+A storage that fails (a full or read-only disk under an sqlite file, a database server that went away) is one line
+naming the storage and the fix (`storage_failure`), never SQLAlchemy's statement or Optuna's traceback: at start the
+sweep is refused and leaves nothing behind (not its lock, not a database it had just created: the sweeper), mid-sweep
+it stops, the finished jobs' dirs stay, and the same command continues the study. So does a full disk under the
+sweep's own files (engine.errors.disk_error_in).
+"""
+
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -11,6 +19,41 @@ from .config import INTERRUPTED_ATTR, PRUNER_ATTR
 from .errors import SweeperConfigError
 
 log = logging.getLogger(__name__)
+
+
+def database(storage: Optional[str]) -> Optional[Path]:
+    """The file of an sqlite storage (`sqlite:///<path>`), None for an in-memory one or another database."""
+    if not storage or not storage.startswith("sqlite:///"):
+        return None
+    path = Path(storage.removeprefix("sqlite:///"))
+    return None if str(path) in ("", ":memory:") else path
+
+
+def remove_new_database(path: Path, folders: list[Path]) -> None:
+    """A database a refused sweep created, with sqlite's companions, and the `folders` made for it that are empty."""
+    for each in (path, *(path.with_name(path.name + end) for end in ("-journal", "-wal", "-shm"))):
+        with contextlib.suppress(OSError):
+            each.unlink()
+    for folder in folders:  # the deepest first
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def storage_failure(error: BaseException) -> Optional[str]:
+    """What the storage said, in a few readable words, when `error` is its failure (SQLAlchemy's error, or Optuna's
+    StorageInternalError around one: a full or read-only disk, a database server gone); None for any other error."""
+    from engine.loggers.tracking import readable
+
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:  # causes only: not an error raised while one was handled
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] == "sqlalchemy":
+            return readable(str(getattr(e, "orig", None) or e))[:200]  # the driver's words, without the statement
+        e = e.__cause__
+    if type(error).__name__ == "StorageInternalError":
+        return readable(str(error))[:200]
+    return None
 
 
 def _make_sqlite_dir(storage: str) -> None:
@@ -29,42 +72,68 @@ def _make_sqlite_dir(storage: str) -> None:
 
 def lock(name: str, storage: Optional[str]) -> Any:
     """One sweep per study at a time: a lock file beside an sqlite database, held until this process ends (a
-    killed sweep's lock goes with it, so its RUNNING trials are then known to be dead). A second sweep on the
-    same study is refused in one line; before this, it failed the first one's running trial. Other storages
-    (a database server) are not locked: run one sweep per study there."""
+    killed sweep's lock goes with it, so its RUNNING trials are then known to be dead) and removed then. A second
+    sweep on the same study is refused in one line; before this, it failed the first one's running trial. Other
+    storages (a database server) are not locked: run one sweep per study there."""
+    import atexit
     import fcntl
     import os
     import re
 
-    if not storage or not storage.startswith("sqlite:///"):
+    from engine.loggers.tracking import same_file
+
+    path = database(storage)
+    if path is None:
         return None
-    path = Path(storage.removeprefix("sqlite:///"))
-    if str(path) in ("", ":memory:"):
-        return None
-    _make_sqlite_dir(storage)
+    _make_sqlite_dir(str(storage))
     lock_path = path.parent / f".{path.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:150]}.lock"
-    try:
-        handle = open(lock_path, "a+")
-    except OSError as e:
+    while True:
+        try:
+            handle = open(lock_path, "a+")
+        except OSError as e:
+            raise SweeperConfigError(
+                f"hydra.sweeper.storage={storage}: its folder is not writable ({e.strerror}); use a storage on a "
+                "writable disk"
+            ) from e
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            handle.close()
+            raise SweeperConfigError(
+                f"study {name} in {storage} is being run by another sweep ({owner}); wait for it to finish, or use "
+                "another hydra.sweeper.study_name"
+            ) from None
+        if same_file(handle, lock_path):
+            break
+        handle.close()  # removed by the sweep that held it, as it ended: the lock is the file there now
+    try:  # straight to the file, no buffer: one that a full disk refused would be flushed again at close
+        os.ftruncate(handle.fileno(), 0)
+        os.write(handle.fileno(), f"pid {os.getpid()}".encode())
+    except OSError as e:  # a full disk: an empty file can be made, not written
+        release(handle, lock_path)
         raise SweeperConfigError(
-            f"hydra.sweeper.storage={storage}: its folder is not writable ({e.strerror}); use a storage on a "
-            "writable disk"
+            f"hydra.sweeper.storage={storage}: {lock_path} cannot be written ({e.strerror}); make room there, or use "
+            "a storage on a writable disk"
         ) from e
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
-        handle.close()
-        raise SweeperConfigError(
-            f"study {name} in {storage} is being run by another sweep ({owner}); wait for it to finish, or use "
-            "another hydra.sweeper.study_name"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}")
-    handle.flush()
+    atexit.register(release, handle, lock_path)
     return handle
+
+
+def release(handle: Any, lock_path: Optional[Path] = None) -> None:
+    """Let go of a study's lock (`lock`), removing its file first, while it is still held: a sweep that opened it
+    meanwhile finds it gone and takes the new one (no lock file is left behind)."""
+    from engine.loggers.tracking import same_file
+
+    if handle is None or handle.closed:
+        return
+    path = Path(lock_path or handle.name)
+    with contextlib.suppress(OSError):
+        if same_file(handle, path):
+            path.unlink()
+    with contextlib.suppress(OSError):
+        handle.close()
 
 
 def open_study(
@@ -86,18 +155,19 @@ def open_study(
             direction=optuna.study.StudyDirection[direction.upper()],
             load_if_exists=True,
         )
-    except (OSError, ImportError, ValueError) as e:
+    except (ImportError, ValueError) as e:
         raise SweeperConfigError(f"hydra.sweeper.storage={storage}: cannot be opened ({e}); check the URL") from e
-    except Exception as e:  # SQLAlchemy's errors: a read-only or full disk, a locked database
-        if type(e).__module__.split(".")[0] != "sqlalchemy":
+    except Exception as e:  # SQLAlchemy's errors (a read-only or full disk, a locked database), Optuna's around them
+        reason = storage_failure(e)
+        if reason is None and not isinstance(e, OSError):
             raise
-        detail = " ".join(str(getattr(e, "orig", e)).split())[:200]
-        if type(e).__name__ in ("ArgumentError", "NoSuchModuleError"):  # not a database URL SQLAlchemy knows
+        if reason is None or type(e).__name__ in ("ArgumentError", "NoSuchModuleError"):  # not a URL it knows
             raise SweeperConfigError(
-                f"hydra.sweeper.storage={storage}: cannot be opened ({detail}); check the URL"
+                f"hydra.sweeper.storage={storage}: cannot be opened ({reason or e}); check the URL"
             ) from e
         raise SweeperConfigError(
-            f"hydra.sweeper.storage={storage}: cannot be written ({detail}); use a storage on a writable disk"
+            f"hydra.sweeper.storage={storage}: cannot be written ({reason}); make room there, or use a storage on "
+            "a writable disk"
         ) from e
     found = study.direction.name.lower()
     if found != direction:
