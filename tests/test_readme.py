@@ -54,6 +54,8 @@ ELSEWHERE = {
     "make install": ".ci/run",
     "make test": ".ci/run",
     "make test-fast": ".ci/run",  # a part of make test
+    "make test-long": ".ci/run",
+    "make fuzz": "tests/test_fuzz.py::test_any_override_composes_or_is_refused_in_one_line",  # its tests, more cases
     "make lint": ".ci/run",
     "make test-gpu": "tests/test_gpu.py::test_a_gpu_step_makes_no_host_sync_of_the_templates_between_agreements",
     "make upgrade": "tests/test_install.py::test_make_knows_install_lock_and_upgrade",
@@ -95,15 +97,18 @@ ELSEWHERE = {
     ),
     "torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=exp1 "
     "train.py trainer=ddp trainer.devices=4 trainer.num_nodes=2": (
-        "tests/test_cluster.py::test_torchrun_starts_the_ranks_and_lightning_launches_none"
-    ),
+        "tests/test_torchrun_nodes.py::test_torchrun_two_nodes_train_one_run_in_one_directory"
+    ),  # the page's command, two agents on this host, 1 CPU process each
     "MASTER_ADDR=HOST MASTER_PORT=29500 NODE_RANK=0 python train.py trainer=ddp trainer.devices=4 "
     "trainer.num_nodes=2 hydra.run.dir=/shared/runs/exp1": (
-        "tests/test_cluster.py::test_two_nodes_on_localhost_one_process_each"
+        "tests/test_torchrun_nodes.py::test_nodes_started_by_hand_with_node_rank_share_the_named_directory"
     ),
-    # on a real one-node SLURM cluster, on CPU (tests/slurm_cluster.py)
+    # on real SLURM clusters of this host, on CPU (tests/slurm_cluster.py): one node, and 2 nodes
     "sbatch slurm/train.sbatch model=resnet18": "tests/test_slurm.py::test_srun_tasks_are_the_ranks_of_one_run",
-    "sbatch --nodes=2 slurm/train.sbatch": "tests/test_slurm.py::test_srun_tasks_are_the_ranks_of_one_run",
+    "sbatch --nodes=2 slurm/train.sbatch": "tests/test_slurm_nodes.py::test_one_ddp_run_across_two_nodes",
+    "sbatch --nodes=2 slurm/train.sbatch trainer.strategy=fsdp": (
+        "tests/test_slurm_nodes.py::test_fsdp_across_two_nodes"
+    ),
     "sbatch slurm/requeue.sbatch trainer.max_epochs=100": (
         "tests/test_slurm.py::test_a_job_requeued_mid_epoch_resumes_its_own_checkpoint_bit_for_bit"
     ),
