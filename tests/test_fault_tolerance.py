@@ -281,10 +281,11 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
     from engine.runs.continuing import continue_command
 
     def command(*overrides: str, mode: RunMode = RunMode.RUN, **env: str) -> str:
-        hydra = SimpleNamespace(mode=mode, overrides=SimpleNamespace(task=list(overrides)))
+        runtime = SimpleNamespace(output_dir="/nowhere")  # a tuned run's tune.json is not there: test_tune.py has one
+        hydra = SimpleNamespace(mode=mode, overrides=SimpleNamespace(task=list(overrides)), runtime=runtime)
         monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
         monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra))
-        for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PROJECT_PROFILE"):
+        for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "NODE_RANK", "PROJECT_PROFILE"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
@@ -303,3 +304,4 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
     assert command("model=mlp", mode=RunMode.MULTIRUN) == added
     assert command("model=mlp", "tune=lr", "tune.apply=true") == added
     assert command("model=mlp", SLURM_JOB_ID="7") == command("model=mlp", TORCHELASTIC_RUN_ID="x") == added
+    assert command("model=mlp", NODE_RANK="1") == added  # nodes started by hand: each adds it to its own command
