@@ -65,6 +65,17 @@ def test_it_scores_the_rows_of_a_csv(cli, tmp_path, trained):
     assert (predicted / "predictions.parquet").is_file()
 
 
+def test_a_csv_its_datamodule_refuses_is_one_line_and_leaves_no_run(cli, tmp_path):
+    """The DataModule reads the CSV in its setup, inside Lightning's fit: its ValueError was a traceback, exit 1, and
+    the run dir stayed. Any DataModule's refusal in its hooks is now the one line (engine.entry)."""
+    for cell in ("x", ""):
+        (tmp_path / "rows.csv").write_text("a,b,price\n1,2,3\n4," + cell + ",6\n")
+        proc = cli("train.py", *TABLE, f"data.path={tmp_path / 'rows.csv'}", "data.target=price", env=TINY, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert proc.stderr.startswith("error: data: ValueError: ") and "every cell must be a number" in proc.stderr
+    assert not (tmp_path / "logs").exists()
+
+
 def test_what_its_datamodule_refuses_to_predict_on_is_one_line_and_leaves_no_run(cli, tmp_path, trained):
     """It was a ValueError traceback from inside Lightning's predict loop, and a predict run dir left behind."""
     for given, said in [
