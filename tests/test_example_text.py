@@ -107,3 +107,13 @@ def test_a_sweep_over_its_depth(cli, tmp_path):
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     with open(sweep / "summary.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok", "ok"]
+
+
+def test_an_empty_text_file_is_one_line_and_leaves_no_run(cli, tmp_path):
+    """It was torch.frombuffer's "both buffer length (0) and count (-1) must not be 0"."""
+    (tmp_path / "empty.txt").write_bytes(b"")
+    proc = cli("train.py", "experiment=gpt_text", f"data.path={tmp_path / 'empty.txt'}", env=TINY, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: data: ValueError: data.path={tmp_path / 'empty.txt'}: an empty file; give it text to learn from"
+    )
+    assert not (tmp_path / "logs").exists()

@@ -73,7 +73,10 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if stage == "predict":
             return
-        data = torch.frombuffer(bytearray(read_text(self.path)[: self.max_bytes]), dtype=torch.uint8).long()
+        text = read_text(self.path)[: self.max_bytes]
+        if not text:
+            raise ValueError(f"data.path={self.path}: an empty file; give it text to learn from")
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         cut = int(0.9 * len(data))
         self.train_set, self.val_set = Windows(data[:cut], self.block_size), Windows(data[cut:], self.block_size)
         if not len(self.train_set) or not len(self.val_set):
