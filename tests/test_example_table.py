@@ -64,6 +64,22 @@ def test_it_scores_the_rows_of_a_csv(cli, tmp_path, trained):
         assert [r["name"] for r in csv.DictReader(f)] == ["row 1", "row 2", "row 3"]
     assert (predicted / "predictions.parquet").is_file()
 
+    # the same rows with their columns in another order score the same: columns are matched by name (they were
+    # matched by position: exit 0 and other numbers)
+    order = list(reversed(range(len(columns))))
+    with open(tmp_path / "reordered.csv", "w", newline="") as f:
+        csv.writer(f).writerows([[columns[i] for i in order], *x[:3, order].tolist()])
+    again = cli("predict.py", f"ckpt_path={best(trained)}", f"data.predict_path={tmp_path / 'reordered.csv'}",
+                "print_config=false", env=TINY, cwd=tmp_path / "again")  # fmt: skip
+    assert again.returncode == 0
+    (reordered,) = run_dirs(tmp_path / "again" / "logs", task="predict")
+    torch.testing.assert_close(torch.load(reordered / "predictions.pt", weights_only=True)["outputs"], want)
+    with open(tmp_path / "fewer.csv", "w", newline="") as f:
+        csv.writer(f).writerows([columns[1:], *x[:3, 1:].tolist()])
+    proc = cli("predict.py", f"ckpt_path={best(trained)}", f"data.predict_path={tmp_path / 'fewer.csv'}",
+               "print_config=false", env=TINY, cwd=tmp_path / "fewer", check=False)  # fmt: skip
+    assert proc.returncode == 2 and f"no column {columns[0]!r} of the training data" in proc.stderr
+
 
 def test_a_csv_its_datamodule_refuses_is_one_line_and_leaves_no_run(cli, tmp_path):
     """The DataModule reads the CSV in its setup, inside Lightning's fit: its ValueError was a traceback, exit 1, and

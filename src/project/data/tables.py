@@ -79,6 +79,7 @@ class TableDataModule(L.LightningDataModule):
         self.predict_path = predict_path
         self.mean: Tensor | None = None  # of the training rows' features: in every checkpoint (state_dict)
         self.std: Tensor | None = None
+        self.columns: list[str] | None = None  # the training features' names, in their order: in checkpoints too
 
     def _table(self) -> tuple[list[str], Tensor, Tensor]:
         if self.path is None:
@@ -116,7 +117,14 @@ class TableDataModule(L.LightningDataModule):
             raise ValueError("nothing to predict on: pass data.predict_path=<a CSV of feature rows>")
         if self.mean is None or self.std is None:
             raise ValueError("no training statistics: predict with a checkpoint of a run that trained on this data")
-        _, x, _ = read_csv(Path(self.predict_path).expanduser(), self.target)
+        columns, x, _ = read_csv(Path(self.predict_path).expanduser(), self.target)
+        if self.columns is not None:  # matched by name, in any order: by position, reordered columns scored wrong
+            missing = [c for c in self.columns if c not in columns]
+            if missing:
+                raise ValueError(
+                    f"data.predict_path={self.predict_path}: no column {missing[0]!r} of the training data"
+                )
+            x = x[:, [columns.index(c) for c in self.columns]]
         if x.shape[1] != len(self.mean):
             raise ValueError(
                 f"data.predict_path={self.predict_path}: {x.shape[1]} feature columns, not {len(self.mean)}"
@@ -125,7 +133,7 @@ class TableDataModule(L.LightningDataModule):
         return DataLoader(Rows((x - self.mean) / self.std, names), batch_size=self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mean": self.mean, "std": self.std}
+        return {"mean": self.mean, "std": self.std, "columns": self.columns}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mean, self.std = state.get("mean"), state.get("std")
+        self.mean, self.std, self.columns = state.get("mean"), state.get("std"), state.get("columns")
