@@ -49,6 +49,14 @@ def test_it_continues_prompts_in_predict(cli, tmp_path, trained):
     assert all(0 < len(r["output"].encode("utf-8", "surrogateescape")) for r in rows)
     saved = torch.load(predicted / "predictions.pt", weights_only=True)
     assert saved["names"] == ["def ", "class ", "The "] and len(saved["outputs"]) == 3
+    # an empty prompt was an IndexError traceback from the model's generate, its run dir left
+    empty = cli(
+        "predict.py", f"ckpt_path={best}", 'data.prompts=["def ",""]', env=TINY, cwd=tmp_path / "e", check=False
+    )
+    assert empty.returncode == 2 and empty.stderr.strip() == (
+        "error: data: ValueError: data.prompts: an empty prompt; give each at least one character to continue"
+    )
+    assert not (tmp_path / "e" / "logs" / "predict").exists()
 
 
 def test_it_exports_for_any_prompt_length_up_to_its_context(cli, tmp_path, trained):

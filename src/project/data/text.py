@@ -98,4 +98,6 @@ class TextDataModule(L.LightningDataModule):
             prompts += [line for line in Path(self.predict_path).expanduser().read_text().splitlines() if line]
         if not prompts:
             raise ValueError("nothing to continue: pass data.prompts='[\"...\"]' or data.predict_path=<file>")
+        if not all(prompts):
+            raise ValueError("data.prompts: an empty prompt; give each at least one character to continue")
         return DataLoader(Prompts(prompts), batch_size=1)
