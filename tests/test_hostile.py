@@ -285,3 +285,10 @@ def test_two_launches_into_one_named_directory_one_is_refused_and_each_launchs_p
     from engine.runs.dirs import claim
 
     claim(named, "hydra.run.dir", f"slurm_{winner}_0")
+
+
+def test_a_key_of_data_eval_takes_from_the_checkpoint_says_how_to_pick_data(tmp_path):
+    """eval.py's data is the checkpoint's: `data.path=...` said "no such key; valid keys: " and an empty list."""
+    proc = run(tmp_path, "eval.py", "ckpt_path=x.ckpt", "data.path=rows.csv")
+    refused(proc, "data.path: no such key; eval.py takes data from the checkpoint; to give other data, pick it first")
+    assert not (tmp_path / "logs").exists()

@@ -58,11 +58,13 @@ def _composition_error(e: CompactHydraException) -> str:
     if isinstance(parent, DictConfig) and key is not None and "not in struct" in str(cause):
         full_key = getattr(cause, "full_key", key)
         close = difflib.get_close_matches(str(key), [str(k) for k in parent.keys()], n=1)
-        hint = (
-            f"did you mean {full_key[: -len(str(key))]}{close[0]}?"
-            if close
-            else f"valid keys: {', '.join(map(str, parent.keys()))}"
-        )
+        script, group = Path(sys.argv[0]).name, str(full_key).split(".")[0]
+        if close:
+            hint = f"did you mean {full_key[: -len(str(key))]}{close[0]}?"
+        elif not len(parent) and script != "train.py":  # eval.py's data: the checkpoint's, unless one is picked
+            hint = f"{script} takes {group} from the checkpoint; to give other {group}, pick it first: {group}=<option>"
+        else:
+            hint = f"valid keys: {', '.join(map(str, parent.keys()))}"
         return f"{full_key}: no such key; {hint} (to add a new key on purpose: +{full_key}=...)"
     message = _one_line(str(e))
     if cause is not None:
