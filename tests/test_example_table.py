@@ -133,3 +133,18 @@ def test_a_sweep_over_its_learning_rate(cli, tmp_path):
     with open(sweep / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["best/val/mse"] for r in rows)
+
+
+def test_a_csv_wider_or_narrower_than_the_model_is_one_line_and_leaves_no_run(cli, tmp_path):
+    """It was torch's traceback from the first step inside the net (mat1 and mat2 shapes), and the run dir stayed."""
+    for width in (8, 12):
+        rows = [[f"f{i}" for i in range(width)] + ["y"]] + [
+            [str(r * i % 7) for i in range(width + 1)] for r in range(300)
+        ]
+        (tmp_path / "rows.csv").write_text("\n".join(",".join(row) for row in rows) + "\n")
+        proc = cli("train.py", *TABLE, f"data.path={tmp_path / 'rows.csv'}", "data.target=y", env=TINY, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert proc.stderr.startswith("error: model: Regressor does not take the data (its batch: float32 (")
+        assert f", {width}), float32 (" in proc.stderr
+        assert "model.features=10" in proc.stderr
+    assert not (tmp_path / "logs").exists()

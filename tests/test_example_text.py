@@ -125,3 +125,11 @@ def test_an_empty_text_file_is_one_line_and_leaves_no_run(cli, tmp_path):
         f"error: data: ValueError: data.path={tmp_path / 'empty.txt'}: an empty file; give it text to learn from"
     )
     assert not (tmp_path / "logs").exists()
+
+
+def test_sequences_longer_than_the_nets_context_are_one_line_and_leave_no_run(cli, tmp_path):
+    """The net's assert on the sequence length was a traceback from Lightning's sanity check, and the run dir stayed."""
+    proc = train(tmp_path, "data.block_size=128", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "AssertionError: a sequence of 128 bytes, longer than block_size=64" in proc.stderr
+    assert "model.net.block_size=64" in proc.stderr and not (tmp_path / "logs").exists()

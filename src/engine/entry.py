@@ -36,6 +36,7 @@ from engine.errors import (
     user_error_in,
 )
 from engine.launch import environment
+from engine.refusals import data_refusal_in, misfit_in
 from engine.runs.dirs import remove_empty_folders, remove_if_unused
 from engine.sweeps import jobs as sweeps
 from engine.sweeps.jobs import record_failure
@@ -288,25 +289,6 @@ def _instantiation_error_in(error: BaseException) -> UserError | None:
     return one_line(error)
 
 
-# What a DataModule raises when it refuses its input (a cell that is not a number, a file that is not there)
-_REFUSALS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-
-
-def _data_refusal_in(error: BaseException) -> UserError | None:
-    """A value or file that a DataModule of the run refused in one of its hooks (its setup reading a CSV, say): one
-    line naming the data, as a value its constructor refuses is (engine.build.one_line). Raised anywhere else, or of
-    another kind, it is a bug, and keeps its traceback."""
-    if not isinstance(error, _REFUSALS):
-        return None
-    import lightning.pytorch as L
-
-    frame, inside = error.__traceback__, False
-    while frame is not None:
-        inside = inside or isinstance(frame.tb_frame.f_locals.get("self"), L.LightningDataModule)
-        frame = frame.tb_next
-    return UserError(f"data: {type(error).__name__}: {' '.join(str(error).split())}") if inside else None
-
-
 def _task(name: str) -> Callable[[DictConfig], Any]:
     """`module:function`, imported only now: torch and Lightning load once the config has passed its checks."""
     import importlib
@@ -365,7 +347,7 @@ def run(task: str, cfg: DictConfig) -> Any:
             if full_error():
                 raise
             e = _instantiation_error_in(e) or missing_compile_backend_in(e) or unused_parameters_in(e) or e
-            e = _data_refusal_in(e) or e
+            e = data_refusal_in(e) or misfit_in(e, cfg.get("model")) or e
             if hc.mode == RunMode.MULTIRUN:
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None

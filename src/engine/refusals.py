@@ -1,0 +1,101 @@
+"""A user's DataModule or model refusing the run, found in the traceback of what a task raised: one line each,
+by where it was raised, not by its message. Raised anywhere else, or of another kind, it is a bug and keeps its
+traceback (HYDRA_FULL_ERROR=1 shows it for these too)."""
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from engine.errors import UserError
+
+# What a DataModule raises when it refuses its input (a cell that is not a number, a file that is not there)
+_DATA_REFUSALS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+# What a model's step raises on a batch whose sizes it does not take (torch's shape errors, an index past an
+# embedding, an assert on the sequence length, a loss given targets of another batch size)
+_MISFITS = (RuntimeError, IndexError, AssertionError, ValueError)
+
+
+def _frames(error: BaseException) -> Iterator[Any]:
+    tb = error.__traceback__
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
+def data_refusal_in(error: BaseException) -> UserError | None:
+    """A value or file that a DataModule refused in one of its hooks (its setup reading a CSV, say): one line naming
+    the data, as a value its constructor refuses is (engine.build.one_line)."""
+    if not isinstance(error, _DATA_REFUSALS):
+        return None
+    import lightning.pytorch as L
+
+    if not any(isinstance(f.f_locals.get("self"), L.LightningDataModule) for f in _frames(error)):
+        return None
+    return UserError(f"data: {type(error).__name__}: {' '.join(str(error).split())}")
+
+
+def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
+    """A model that fails on the data's batches before its first optimizer step (Lightning's sanity check, the first
+    training batch, an evaluation): the model and the data disagree on a size (a CSV wider than model.features, a
+    sequence longer than the net's block_size). Nothing was trained, so nothing is lost: one line with the batch's
+    shapes and the model's settings the message quotes, in place of torch's traceback from deep inside the net."""
+    import lightning.pytorch as L
+    import torch
+
+    if not isinstance(error, _MISFITS) or isinstance(error, torch.OutOfMemoryError):
+        return None
+    steps = [f for f in _frames(error) if isinstance(f.f_locals.get("self"), L.LightningModule)]
+    if not steps:
+        return None
+    module = steps[0].f_locals["self"]
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer: not a run's step
+        return None
+    if trainer is None or trainer.global_step > 0:
+        return None  # after training steps: a bug of the model's, with its traceback
+    batch = next((f.f_locals["batch"] for f in steps if "batch" in f.f_locals), None)
+    said = " ".join(str(error).split())[:300]
+    shapes = f" (its batch: {_shapes(batch)})" if batch is not None else ""
+    quoted = _quoted_settings(_plain(model_config), said)
+    hint = f"; {', '.join(quoted)} appear in the message" if quoted else ""
+    return UserError(
+        f"model: {type(module).__name__} does not take the data{shapes}: {type(error).__name__}: {said}; make the "
+        f"model's sizes in its config fit the data's{hint}"
+    )
+
+
+def _plain(config: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else config
+    except Exception:  # an interpolation that does not resolve: no settings to quote
+        return None
+
+
+def _shapes(batch: Any, depth: int = 0) -> str:
+    """`float32 (32, 10), float32 (32,)`: what a batch holds, briefly."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return f"{str(batch.dtype).removeprefix('torch.')} {tuple(batch.shape)}"
+    if depth < 2 and isinstance(batch, (list, tuple)) and len(batch) <= 4:
+        return ", ".join(_shapes(item, depth + 1) for item in batch)
+    if depth < 2 and isinstance(batch, dict) and len(batch) <= 4:
+        return ", ".join(f"{key}: {_shapes(item, depth + 1)}" for key, item in batch.items())
+    return type(batch).__name__
+
+
+def _quoted_settings(model_config: Any, message: str, path: str = "model") -> list[str]:
+    """The model's whole-number settings whose value the message quotes (`model.features=10` for `10x64`)."""
+    numbers = set(re.findall(r"(?<![\d.])\d+(?![\d.])", message))
+    found: list[str] = []
+    if isinstance(model_config, dict):
+        for key, value in model_config.items():
+            where = f"{path}.{key}"
+            if isinstance(value, dict):
+                found += _quoted_settings(value, message, where)
+            elif isinstance(value, int) and not isinstance(value, bool) and value > 1 and str(value) in numbers:
+                found.append(f"{where}={value}")
+    return found[:4]
