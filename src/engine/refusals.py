@@ -1,6 +1,6 @@
 """A user's DataModule or model refusing the run, found in the traceback of what a task raised: one line each,
 by where it was raised, not by its message. Raised anywhere else, or of another kind, it is a bug and keeps its
-traceback (HYDRA_FULL_ERROR=1 shows it for these too)."""
+traceback (PROJECT_FULL_ERROR=1 shows it for these too)."""
 
 import re
 from collections.abc import Iterator
