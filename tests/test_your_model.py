@@ -129,6 +129,16 @@ def test_a_users_module_that_logs_other_names_is_told_the_monitor_setting_that_w
     assert followed.returncode == 0
 
 
+def test_a_validation_metric_nobody_logs_is_refused_before_the_first_training_step(cli, tmp_path):
+    """It was refused at the first validation's end, after an epoch of training, and its run dir stayed."""
+    table = ["~model", "+model._target_=user_tables.Regressor", "~data", "+data._target_=user_tables.DiabetesData"]
+    proc = cli("train.py", *table, "monitor.metric=val/nope", "trainer.accelerator=cpu", check=False, env=TINY)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "watches 'val/nope', which Regressor never logged; it logged: val/mse." in proc.stderr
+    assert "train" not in proc.stderr.split("it logged:")[1]  # before any training step
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.mark.parametrize(
     ("net", "said"),
     [

@@ -69,19 +69,23 @@ class Monitor(L.Callback):
         return trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0
 
     def _check(self, trainer: L.Trainer, at_epoch_end: bool) -> None:
-        logged = sorted(trainer.callback_metrics)
         for who, metric in self._watchers(trainer, at_epoch_end):
             if metric not in trainer.callback_metrics:
-                module = type(trainer.lightning_module).__name__
-                scores = [m for m in logged if not m.startswith("lr-")]  # not a learning rate
-                some = next((m for m in scores if "val" in m), scores[0] if scores else None)
-                lower = some is not None and any(word in some for word in ("loss", "err", "mae", "mse", "rmse"))
-                example = f", e.g. monitor.metric={some} monitor.mode={'min' if lower else 'max'}" if some else ""
-                raise UserError(
-                    f"{who} watches {metric!r}, which {module} never logged; it logged: "
-                    f"{', '.join(logged) or 'nothing'}. Set monitor.metric to a score it logs (and monitor.mode to "
-                    f"max or min){example}, or log one with self.log"
-                )
+                raise self._missing(trainer, who, metric)
+
+    @staticmethod
+    def _missing(trainer: L.Trainer, who: str, metric: str) -> UserError:
+        logged = sorted(trainer.callback_metrics)
+        module = type(trainer.lightning_module).__name__
+        scores = [m for m in logged if not m.startswith("lr-")]  # not a learning rate
+        some = next((m for m in scores if "val" in m), scores[0] if scores else None)
+        lower = some is not None and any(word in some for word in ("loss", "err", "mae", "mse", "rmse"))
+        example = f", e.g. monitor.metric={some} monitor.mode={'min' if lower else 'max'}" if some else ""
+        return UserError(
+            f"{who} watches {metric!r}, which {module} never logged; it logged: "
+            f"{', '.join(logged) or 'nothing'}. Set monitor.metric to a score it logs (and monitor.mode to "
+            f"max or min){example}, or log one with self.log"
+        )
 
     def _stopped_logging(self, trainer: L.Trainer) -> None:
         module = type(trainer.lightning_module).__name__
@@ -99,6 +103,15 @@ class Monitor(L.Callback):
         better = self.best is None or (number > self.best if self.mode == "max" else number < self.best)
         if math.isfinite(number) and better:
             self.best, self.best_epoch = number, trainer.current_epoch
+
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the sanity check's validation metrics are known before the first training step: a watched validation
+        # metric missing among them ends the run before it trains (and leaves no run dir), not an epoch later
+        if not any(m.startswith("val") for m in trainer.callback_metrics):
+            return
+        for who, metric in self._watchers(trainer, True) + self._watchers(trainer, False):
+            if metric.startswith("val") and metric not in trainer.callback_metrics:
+                raise self._missing(trainer, who, metric)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started_at = trainer.fit_loop.epoch_loop.batch_progress.current.completed
