@@ -180,7 +180,8 @@ def test_torchrun_two_nodes_train_one_run_in_one_directory(unbroken):
     print(f"two torchrun nodes: {wall_s:.1f} s")
 
 
-def test_nodes_started_by_hand_with_node_rank_share_the_named_directory(tmp_path):
+def by_hand(tmp_path: Path, **env: str) -> tuple[Nodes, Path]:
+    """The page's two commands started by hand (MASTER_ADDR, NODE_RANK), one per "node", into one named directory."""
     probe, shared = tmp_path / "probe", tmp_path / "shared" / "runs" / "exp1"
     probe.mkdir()
     port = str(free_port())
@@ -199,9 +200,14 @@ def test_nodes_started_by_hand_with_node_rank_share_the_named_directory(tmp_path
                 "hydra.run.dir=/shared/runs/exp1": f"hydra.run.dir={shared}",
             },
         )
-        env = dict(word.split("=", 1) for word in argv[:3])
-        commands.append((argv[3:] + TINY, environment(PROBE_DIR=str(probe), **env)))
-    nodes = Nodes(commands, tmp_path, probe)
+        variables = dict(word.split("=", 1) for word in argv[:3])
+        commands.append((argv[3:] + TINY, environment(PROBE_DIR=str(probe), **variables, **env)))
+    return Nodes(commands, tmp_path, probe), shared
+
+
+def test_nodes_started_by_hand_with_node_rank_share_the_named_directory(tmp_path):
+    nodes, shared = by_hand(tmp_path)
+    probe = nodes.probe
     codes, outs = nodes.finish()
     assert codes == [0, 0], "\n---\n".join(out[-3000:] for out in outs)
     assert (shared / "checkpoints" / "last.ckpt").is_file() and (shared / "fit_metrics.json").is_file()
@@ -213,6 +219,19 @@ def test_nodes_started_by_hand_with_node_rank_share_the_named_directory(tmp_path
         (2, 1, "LightningEnvironment"),
     ]
     print(f"two nodes by hand: {nodes.wall_s:.1f} s")
+
+
+def test_a_node_started_by_hand_and_stopped_exits_as_stopped_and_says_how_to_continue(tmp_path):
+    """SIGTERM to the second node's command: it exited 0 and said nothing (taken for a child of Lightning's
+    launcher, which ends quietly), so a script or scheduler watching that node saw a finished run."""
+    nodes, shared = by_hand(tmp_path, STEP_SLEEP="0.2")
+    nodes.wait_for(lambda: (shared / "checkpoints" / "last.ckpt").is_file(), "a first last.ckpt")
+    os.kill(nodes.procs[1].pid, signal.SIGTERM)
+    codes, outs = nodes.finish()
+    assert codes == [143, 143], "\n---\n".join(out[-3000:] for out in outs)
+    for out in outs:
+        (line,) = [line for line in out.splitlines() if "continue with: " in line]
+        assert line.startswith("stopped by SIGTERM at epoch ") and line.endswith(" added to the run's command"), line
 
 
 @pytest.fixture(scope="module")

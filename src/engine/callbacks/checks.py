@@ -290,10 +290,17 @@ class RunChecks(L.Callback):
             raise SystemExit(self._exit_code(trainer, 128 + int(signum)))
 
     def _exit_code(self, trainer: L.Trainer, code: int) -> int:
-        # Ranks that Lightning's launcher started end quietly: rank 0 reports the stop, and a child's non-zero
-        # exit would make the launcher kill rank 0 before it has finished saving.
-        child = trainer.global_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
+        # Ranks that Lightning's launcher started on a node end quietly: rank 0 reports the stop, and a child's
+        # non-zero exit would make the launcher kill rank 0 before it has finished saving. A node's first process
+        # (local rank 0: a node started by hand with NODE_RANK) is the user's command, and exits as one.
+        child = trainer.local_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
         return 0 if child else code
+
+    @staticmethod
+    def _reports(trainer: L.Trainer) -> bool:
+        """Rank 0, and the first process of a node started by hand (NODE_RANK): each is a command someone ran."""
+        by_hand = trainer.node_rank > 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
+        return trainer.is_global_zero or (by_hand and trainer.local_rank == 0)
 
     def _save_last(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(_last_checkpoint(trainer))  # every rank: a sharded checkpoint needs all of them
@@ -313,7 +320,7 @@ class RunChecks(L.Callback):
             trainer, Path(trainer.default_root_dir) / "fit_metrics.json", "interrupted", _best_so_far(trainer)
         )
         name = signal.Signals(signum).name
-        if trainer.is_global_zero:
+        if self._reports(trainer):
             say(
                 f"stopped by {name} at epoch {trainer.current_epoch if epoch is None else epoch}, step "
                 f"{trainer.global_step}: saved {path}; continue with: {continue_command(path)}"
