@@ -9,11 +9,15 @@ BIN    := $(VENV)/bin
 help:  ## this list: every target and what it does
 	@awk 'BEGIN {FS = ":.*##"} /^[a-z][a-z-]*:.*##/ {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-# exactly the versions in requirements.lock, hash-checked, compiled to bytecode once (every process imports lightning)
+# exactly the versions in the lock, hash-checked, compiled to bytecode once (every process imports lightning). uv
+# trusts what a venv already holds: a lock that differs from the one last installed reinstalls all, hashes checked.
+LOCK ?= requirements.lock
 install: $(BIN)/python  ## create .venv with the locked versions, then this project
-	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' requirements.lock)"
-	$(BIN)/uv pip sync --quiet --python $(BIN)/python --compile-bytecode --require-hashes requirements.lock
+	$(BIN)/pip install --quiet "$$(sed -n 's/^\(uv==[^ ]*\).*/\1/p' $(LOCK))"
+	$(BIN)/uv pip sync --quiet --python $(BIN)/python --compile-bytecode --require-hashes \
+		$$(cmp -s $(LOCK) $(VENV)/installed.lock || echo --reinstall) $(LOCK)
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+	cp $(LOCK) $(VENV)/installed.lock
 
 # the versions make test just passed with, resolved for every platform
 lock:  ## record what .venv holds in requirements.lock

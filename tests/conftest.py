@@ -85,6 +85,7 @@ LONGEST_FIRST = (
 # `pytest --durations`): marked `long`, so `make test` stays within minutes; CI runs them too (`make test-long`).
 LONG_FILES = ("test_torchrun_nodes.py", "test_slurm_nodes.py", "test_bench_gpu.py", "test_service_failures.py")
 LONG = (
+    "test_install.py::test_make_install_checks_every_hash_again_when_the_lock_changed",
     "test_averaging.py::test_a_killed_run_resumes_the_average_bit_for_bit_and_not_without_the_callback",
     "test_averaging.py::test_swa_on_a_users_module_is_the_mean_of_the_epoch_ends_from_start_epoch_on",
     "test_checkpoints.py::test_eval_py_refuses_a_hostile_checkpoint_and_touches_nothing",

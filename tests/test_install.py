@@ -53,7 +53,7 @@ def test_the_lock_satisfies_the_ranges_in_pyproject():
 def test_make_knows_install_lock_and_upgrade():
     dry = subprocess.run(["make", "-n", "install", "lock", "upgrade"], cwd=REPO, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
-    assert "--require-hashes requirements.lock" in dry.stdout and "--output-file requirements.lock" in dry.stdout
+    assert "--require-hashes" in dry.stdout and "--output-file requirements.lock" in dry.stdout
     assert Path(sys.executable).parent.joinpath("uv").is_file()
 
 
@@ -77,3 +77,27 @@ def test_make_help_lists_every_target_with_what_it_does():
         line.split()[1]: line.split(None, 2)[2] for line in proc.stdout.splitlines() if line.startswith("  make ")
     }
     assert set(listed) == set(phony) and all(listed.values())  # `make` alone is `make help`
+
+
+def _blocks(*names: str) -> str:
+    """The lock's lines for `names`: each pin with its hash lines."""
+    text, found = LOCK.read_text(), []
+    for name in names:
+        found.append(re.search(rf"^{name}==.*?(?=^\S)", text, re.M | re.S).group(0))  # type: ignore[union-attr]
+    return "".join(found)
+
+
+def test_make_install_checks_every_hash_again_when_the_lock_changed(tmp_path):
+    """uv trusts what a venv holds: a hash corrupted in the lock after an install passed, exit 0."""
+    venv, lock = tmp_path / "venv", tmp_path / "test.lock"
+    make = ["make", "--no-print-directory", "-C", str(REPO), "install", f"VENV={venv}", f"LOCK={lock}"]
+    lock.write_text(_blocks("uv", "idna"))
+    first = subprocess.run(make, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    idna = _blocks("idna")
+    lock.write_text(_blocks("uv") + re.sub(r"sha256:([0-9a-f]+)", lambda m: "sha256:" + m[1][::-1], idna))
+    again = subprocess.run(make, capture_output=True, text=True)
+    assert again.returncode != 0 and "Hash mismatch for `idna" in again.stderr, again.stderr[-3000:]
+    assert (venv / "installed.lock").read_text() == _blocks("uv", "idna")  # the lock installed, still
+    lock.write_text(_blocks("uv", "idna"))
+    assert subprocess.run(make, capture_output=True).returncode == 0
