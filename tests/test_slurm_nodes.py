@@ -125,9 +125,11 @@ def test_one_ddp_run_across_two_nodes(unbroken_job: Job, slurm_nodes: Cluster): 
     assert {r["environment"] for r in seen} == {"SLURMEnvironment"}
     assert not set(seen[0]["seen"]["0"]) & set(seen[1]["seen"]["0"])  # each rank its own shard of the data
     assert unbroken_job.info["NodeList"] == "127.0.0.[1-2]" and unbroken_job.info["NumNodes"] == "2"
-    # one log (no rank's own: Lightning launched none), one set of checkpoints
-    assert sorted(p.name for p in run.glob("*.log")) == ["train.log"]
+    # each rank its own log (they were interleaved in train.log), one set of checkpoints
+    assert sorted(p.name for p in run.glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
     assert "Node 0, rank 0: waiting for 2 processes on 2 nodes at 127.0.0.1:" in (run / "train.log").read_text()
+    assert "Node 1, rank 1: waiting for 2 processes" in (run / "train_ddp_process_1.log").read_text()
+    assert "rank 1" not in (run / "train.log").read_text()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_001.ckpt", "last.ckpt"]
     assert saved_step(run / "checkpoints" / "last.ckpt") == 2 * STEPS_PER_EPOCH
 

@@ -169,8 +169,11 @@ def test_torchrun_two_nodes_train_one_run_in_one_directory(unbroken):
     assert (run / "test_metrics.json").is_file()
     config = (run / ".hydra" / "config.yaml").read_text()
     assert re.search(r"^  devices: 1$", config, re.M) and re.search(r"^  num_nodes: 2$", config, re.M)
-    log = (run / "train.log").read_text()
-    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in log and "GLOBAL_RANK: 1, MEMBER: 2/2" in log
+    # each rank its own log (they were interleaved in train.log)
+    assert sorted(p.name for p in run.glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in (run / "train.log").read_text()
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in (run / "train_ddp_process_1.log").read_text()
+    assert "GLOBAL_RANK: 1" not in (run / "train.log").read_text()
     seen = [json.loads((work / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["world_size"], r["node_rank"], r["environment"]) for r in seen] == [
         (2, 0, "TorchElasticEnvironment"),

@@ -2,11 +2,21 @@
 
 from omegaconf import OmegaConf
 
+from engine.launch.environment import global_rank
 from engine.runs.dirs import cwd, run_dir
+
+
+def rank_log() -> str:
+    """What a log file's name gets for rank r > 0 of torchrun or srun (`_ddp_process_<r>`, as ddp's ranks): each
+    rank its own file, not every rank's lines interleaved in the run's."""
+    rank = global_rank()
+    return f"_ddp_process_{rank}" if rank else ""
 
 
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_dir, use_cache=True)
+    if not OmegaConf.has_resolver("rank_log"):
+        OmegaConf.register_new_resolver("rank_log", rank_log, use_cache=True)
     if not OmegaConf.has_resolver("cwd"):
         OmegaConf.register_new_resolver("cwd", cwd, use_cache=True)
