@@ -269,6 +269,21 @@ def test_the_node_that_did_not_fail_is_not_refused_its_own_directory(node_killed
     assert "already holds checkpoints of an earlier run" not in outs[0]
 
 
+def test_a_node_killed_without_restarts_leaves_a_line_that_says_how_to_continue(tmp_path):
+    """Without --max-restarts, kill -9 of one node's worker ended the other node's rank with "lost the connection to
+    another rank" and no way to continue in it."""
+    nodes = start_torchrun(tmp_path, "lost", STEP_SLEEP="0.2")
+    run = tmp_path / "logs" / "train" / "runs" / "torchrun_lost"
+    nodes.wait_for(lambda: (run / "checkpoints" / "last.ckpt").is_file(), "a first last.ckpt")
+    nodes.wait_for(lambda: (nodes.probe / "pid_1").is_file(), "rank 1's pid")
+    os.kill(int((nodes.probe / "pid_1").read_text()), signal.SIGKILL)
+    codes, outs = nodes.finish()
+    assert codes[0] != 0 and codes[1] != 0
+    said = [line for out in outs for line in out.splitlines() if "continue with: ckpt_path=" in line]
+    assert said and all(line.endswith("added to the run's command") for line in said), "\n---\n".join(outs)
+    print(f"a node killed, no restarts: {nodes.wall_s:.1f} s; {said[0]}")
+
+
 def test_the_printed_command_continues_a_torchrun_run_stopped_on_one_node(tmp_path):
     """The line says `ckpt_path=<run>/checkpoints/last.ckpt added to the run's command`: the same torchrun command
     (the same --rdzv-id, so the same directory) with it continues there. It was refused: the directory holds

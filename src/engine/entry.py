@@ -255,15 +255,21 @@ def _config_error(error: BaseException) -> bool:
     return isinstance(error, UserError) or type(error).__name__ == "MisconfigurationException"
 
 
-def _lost_rank(error: BaseException) -> str | None:
-    """A collective that failed because another rank died: say so once, in one line, instead of a traceback."""
+def _lost_rank(error: BaseException, run_dir: Path) -> str | None:
+    """A collective that failed because another rank died: say so once, in one line, instead of a traceback; when
+    that rank was another node's (torchrun, srun, nodes by hand), with how to continue from the newest checkpoint."""
     if not lost_connection(error):
         return None
     from engine.launch import ranks  # imports Lightning: only once a collective has failed
+    from engine.runs.continuing import continue_command
+    from engine.runs.resume import newest_checkpoint
 
     reason = " ".join(str(error).split())[:160]
     dead = None if environment.watched_rank() else ranks.dead_rank()  # rank 0's watcher may know which one died
     line = dead or f"lost the connection to another rank ({reason}); see that rank's log"
+    newest = newest_checkpoint(run_dir) if dead is None else None  # another node's process died (torchrun, srun)
+    if newest is not None:
+        line += f"; continue with: {continue_command(newest)}"
     ranks.report_once(line)
     return line
 
@@ -351,7 +357,7 @@ def run(task: str, cfg: DictConfig) -> Any:
             if hc.mode == RunMode.MULTIRUN:
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None
-            lost = _lost_rank(e)
+            lost = _lost_rank(e, Path(hc.runtime.output_dir))
             if lost is not None:  # the one line about the dead rank is said
                 # in a rank that rank 0 watches, into its own log: rank 0 says how the run ended, and this rank's
                 # exit 1 could reach rank 0's watcher as a death before rank 0 had said it
