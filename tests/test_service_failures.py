@@ -58,16 +58,24 @@ def fill(folder: Path) -> None:
 
 
 class FillDiskAt(L.Callback):
-    """$FILL_DIR's disk filled as epoch $FILL_AT_EPOCH starts, or when the test of the sweep job of trial
-    $FILL_AT_TRIAL ends (its last report to the study made, its result not yet told)."""
+    """$FILL_DIR's disk filled as epoch $FILL_AT_EPOCH starts (of trial $FILL_AT_TRIAL's job, if set: its next report
+    to the pruner fails), or when the test of the sweep job of trial $FILL_AT_TRIAL ends (its last report to the
+    study made, its result not yet told)."""
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == int(os.environ.get("FILL_AT_EPOCH", "-1")):
+        trial = os.environ.get("FILL_AT_TRIAL")
+        if trainer.current_epoch == int(os.environ.get("FILL_AT_EPOCH", "-1")) and (
+            trial is None or os.environ.get("HYDRA_OPTUNA_TRIAL_NUMBER") == trial
+        ):
             fill(Path(os.environ["FILL_DIR"]))
 
     def on_test_end(self, trainer, pl_module) -> None:
         trial = os.environ.get("FILL_AT_TRIAL")
-        if trial is not None and os.environ.get("HYDRA_OPTUNA_TRIAL_NUMBER") == trial:
+        if (
+            trial is not None
+            and "FILL_AT_EPOCH" not in os.environ
+            and os.environ.get("HYDRA_OPTUNA_TRIAL_NUMBER") == trial
+        ):
             fill(Path(os.environ["FILL_DIR"]))
 
 
@@ -404,6 +412,30 @@ def test_a_full_disk_under_a_study_mid_sweep_stops_it_and_the_same_command_conti
     trials = json.loads((tmp_path / "trials.json").read_text())
     assert [t for t in trials if t[2]] == [[1, "FAIL", True]]  # trial 1, told nothing: interrupted, run again
     assert sum(1 for t in trials if not t[2] and t[1] in ("COMPLETE", "PRUNED")) == 3
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_a_full_disk_under_a_study_as_a_job_reports_to_the_pruner_is_one_line(tmp_path):
+    """The disk fills as trial 1's second epoch starts: the pruner's report at its validation cannot be written."""
+    from conftest import REPO, cli_env
+
+    store = tmp_path / "store"
+    store.mkdir()
+    command = [
+        sys.executable, str(REPO / "train.py"), *SEARCH, f"hydra.sweeper.storage=sqlite:///{store}/optuna.db",
+        probe("FillDiskAt"),
+    ]  # fmt: skip
+    script = (
+        f'mount -t tmpfs -o size=2m tmpfs "{store}" && FILL_AT_TRIAL=1 FILL_AT_EPOCH=1 "$@"; echo $? > first.rc; '
+        f'rm "{store}/filler" && "$@" 2> second.err; echo $? > second.rc'
+    )
+    proc = in_a_namespace(tmp_path, script, command, cli_env(**TINY, FILL_DIR=str(store)))
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not any(n in line for n in NOT_SAID)]
+    assert (tmp_path / "first.rc").read_text().strip() == "2" and len(lines) == 1, proc.stderr[-3000:]
+    assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-3000:]
+    assert lines[0].startswith(f"error: hydra.sweeper.storage=sqlite:///{store}/optuna.db: cannot be written (")
+    assert "disk is full" in lines[0] and "run the same command again" in lines[0], lines[0]
 
 
 # ---------------------------------------------------------------- locks

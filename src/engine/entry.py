@@ -27,6 +27,7 @@ from engine.console import (
 )
 from engine.errors import (
     RunEnded,
+    SweepStopped,
     UserError,
     disk_error_in,
     exit_with,
@@ -355,6 +356,8 @@ def run(task: str, cfg: DictConfig) -> Any:
             e = _instantiation_error_in(e) or missing_compile_backend_in(e) or unused_parameters_in(e) or e
             e = data_refusal_in(e) or misfit_in(e, cfg.get("model")) or e
             if hc.mode == RunMode.MULTIRUN:
+                if isinstance(e, SweepStopped):
+                    raise  # the sweeper says it, once
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))
                 return None
             lost = _lost_rank(e, Path(hc.runtime.output_dir))

@@ -35,6 +35,11 @@ def _escaped(ch: str) -> str:
     return ch.encode("unicode_escape").decode("ascii")
 
 
+class SweepStopped(Exception):
+    """What ends a whole sweep, not one job (its study's storage cannot be written): a job lets it through without
+    recording a failure of its own, and the sweeper says it, once."""
+
+
 class RunEnded(BaseException):
     """The run is over before its task's end, with `value` as its result: a tune run that only reports what it found,
     or a sweep job that ran as a process of its own (engine.tasks). Caught by engine.entry.run; a BaseException, so a

@@ -38,9 +38,19 @@ def current_trial() -> Optional[Any]:
 
 def report(trial: Any, value: float, step: int) -> bool:
     """Report an intermediate value; True when the pruner says stop. The trial is then marked pruned in
-    storage, so the sweeper sees it even when no exception can travel back (a subprocess, a finished job)."""
-    trial.report(value, step)
-    if not trial.should_prune():
-        return False
-    trial.set_user_attr(PRUNED_ATTR, step)
+    storage, so the sweeper sees it even when no exception can travel back (a subprocess, a finished job). A storage
+    that cannot be written stops the sweep, which says so once (not this job as a failure of its own too)."""
+    from .errors import StudyUnwritable
+    from .study import storage_failure
+
+    try:
+        trial.report(value, step)
+        if not trial.should_prune():
+            return False
+        trial.set_user_attr(PRUNED_ATTR, step)
+    except Exception as e:
+        reason = storage_failure(e)
+        if reason is None:
+            raise
+        raise StudyUnwritable(reason) from e
     return True

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from hydra.core.utils import JobReturn, JobStatus
 
+from engine.errors import SweepStopped
+
 from .config import ERROR_ATTR, ERROR_FILE, PRUNED_ATTR
 from .study import tell
 
@@ -55,6 +57,8 @@ def record(study: Any, trial: Any, ret: JobReturn, job_dir: Optional[Path]) -> s
 
     stored = study._storage.get_trial(trial._trial_id)  # the job may have written to it from another process
     error = ret._return_value if ret.status == JobStatus.FAILED else None
+    if isinstance(error, SweepStopped):
+        raise error  # the sweeper says it
     if PRUNED_ATTR in stored.user_attrs or isinstance(error, optuna.TrialPruned):
         tell(study, trial, state=TrialState.PRUNED)
         log.info(f"trial {trial.number} pruned at step {stored.user_attrs.get(PRUNED_ATTR, stored.last_step)}")

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from .config import INTERRUPTED_ATTR, PRUNER_ATTR
-from .errors import SweeperConfigError
+from .errors import StudyUnwritable, SweeperConfigError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ def storage_failure(error: BaseException) -> Optional[str]:
     StorageInternalError around one: a full or read-only disk, a database server gone); None for any other error."""
     from engine.loggers.tracking import readable
 
+    if isinstance(error, StudyUnwritable):  # a job's, said in its storage's words already
+        return str(error)
     seen: set[int] = set()
     e: Optional[BaseException] = error
     while e is not None and id(e) not in seen:  # causes only: not an error raised while one was handled
