@@ -83,7 +83,13 @@ LONGEST_FIRST = (
 
 # The longest tests that no doc command needs (14 s or more each on a busy 2-core machine, measured with
 # `pytest --durations`): marked `long`, so `make test` stays within minutes; CI runs them too (`make test-long`).
-LONG_FILES = ("test_torchrun_nodes.py", "test_slurm_nodes.py", "test_bench_gpu.py", "test_service_failures.py")
+LONG_FILES = (
+    "test_torchrun_nodes.py",
+    "test_slurm_nodes.py",
+    "test_slurm_three_nodes.py",
+    "test_bench_gpu.py",
+    "test_service_failures.py",
+)
 LONG = (
     "test_install.py::test_make_install_checks_every_hash_again_when_the_lock_changed",
     "test_averaging.py::test_a_killed_run_resumes_the_average_bit_for_bit_and_not_without_the_callback",

@@ -188,3 +188,31 @@ def test_fsdp_across_two_nodes(slurm_nodes: Cluster, tmp_path):  # noqa: F811
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2
     meta = torch.load(last / "meta.pt", weights_only=True)
     assert meta["global_step"] == 2 * STEPS_PER_EPOCH
+
+
+@pytest.mark.slow
+def test_the_pipeline_across_two_nodes_takes_one_devices_steps(slurm_nodes: Cluster, tmp_path):  # noqa: F811
+    """trainer=pipeline on slurm/train.sbatch's srun tasks: the MLP cut into two stages, one on each node, ends with
+    the weights of the same run on one device (one process, no SLURM) within float tolerance."""
+    pipeline = ["trainer=pipeline", "trainer.strategy.micro_batches=2", "model.net.dropout=0.0"]  # no stage RNG
+    (tmp_path / "job").mkdir()
+    job = run_job(slurm_nodes, tmp_path / "job", "train.sbatch", pipeline)
+    config = yaml.safe_load((job.run / ".hydra" / "config.yaml").read_text())["trainer"]
+    assert config["strategy"]["_target_"] == "engine.strategies.pipeline.PipelineStrategy"
+    assert (config["num_nodes"], config["devices"]) == (2, 1)  # one stage on each node
+    one = tmp_path / "one"
+    (one / "probe").mkdir(parents=True)
+    from conftest import run_python
+
+    env = cli_env(PROJECT_PROFILE="tiny", PROBE_DIR=str(one / "probe"))
+    env = {k: v for k, v in env.items() if not k.startswith(LAUNCHER_VARS)}
+    alone = [arg for arg in RUN if "ShardProbe" not in arg]  # it reads a distributed strategy's environment
+    argv = [sys.executable, str(REPO / "train.py"), *alone, "model.net.dropout=0.0", f"paths.root_dir={one}"]
+    proc = run_python(argv, REPO, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (single,) = run_dirs(one / "logs")
+    got, want = weights(job.run), weights(single)
+    assert got.keys() == want.keys()
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst < 1e-5, f"the pipeline across nodes is {worst} off one device"
+    print(f"pipeline across 2 nodes: {job.seconds:.1f} s, {worst:.1e} off one device")
