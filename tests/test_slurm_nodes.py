@@ -216,3 +216,28 @@ def test_the_pipeline_across_two_nodes_takes_one_devices_steps(slurm_nodes: Clus
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert worst < 1e-5, f"the pipeline across nodes is {worst} off one device"
     print(f"pipeline across 2 nodes: {job.seconds:.1f} s, {worst:.1e} off one device")
+
+
+@pytest.mark.slow
+def test_a_submitit_sweep_whose_jobs_take_two_nodes_each(slurm_nodes: Cluster, cli, tmp_path):  # noqa: F811
+    """hydra/launcher=slurm with trainer.num_nodes=2: submitit asks SLURM for 2 nodes per sweep job, and each job's
+    ddp run spans both (a rank on each), in its own job dir of the sweep."""
+    conf = slurm_nodes.env()["SLURM_CONF"]
+    proc = cli(
+        "train.py", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=1", "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
+        "trainer.accelerator=cpu", "model=mlp", "logger=none", "test=false", "seed=1,2",
+        env={"PROJECT_PROFILE": "tiny", "SLURM_CONF": conf},
+    )  # fmt: skip
+    assert "error:" not in proc.stderr, proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    jobs = sorted(p for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    assert len(jobs) == 2
+    for job in jobs:
+        info = slurm_nodes.wait(job.name)
+        assert (info["JobState"], info["NumNodes"], info["NodeList"]) == ("COMPLETED", "2", "127.0.0.[1-2]")
+    for num in ("0", "1"):
+        assert json.loads((sweep / num / "fit_metrics.json").read_text())["status"] == "ok"
+        config = yaml.safe_load((sweep / num / ".hydra" / "config.yaml").read_text())["trainer"]
+        assert (config["num_nodes"], config["devices"]) == (2, 1)
+        assert sorted(p.name for p in (sweep / num).glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
