@@ -241,3 +241,32 @@ def test_a_submitit_sweep_whose_jobs_take_two_nodes_each(slurm_nodes: Cluster, c
         config = yaml.safe_load((sweep / num / ".hydra" / "config.yaml").read_text())["trainer"]
         assert (config["num_nodes"], config["devices"]) == (2, 1)
         assert sorted(p.name for p in (sweep / num).glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
+
+
+@pytest.mark.slow
+def test_a_node_failing_while_the_job_starts_requeues_it_and_it_ends_bit_for_bit(
+    slurm_nodes: Cluster,  # noqa: F811
+    tmp_path_factory,
+    unbroken_job: Job,
+):
+    """The second node goes down as soon as the job runs, before any checkpoint (its tasks still importing, or
+    meeting at the rendezvous): the requeued job starts over in the run dir the first start claimed, and ends with
+    the unbroken job's weights."""
+    work = tmp_path_factory.mktemp("failed_starting")
+    node = slurm_nodes.nodes[1]
+
+    def interrupt(job_id: str) -> dict[str, Any]:
+        wait_until(lambda: slurm_nodes.job(job_id).get("JobState") == "RUNNING", "the job's start", timeout=60)
+        slurm_nodes.scontrol("update", f"nodename={node}", "state=down", "reason=test")
+        slurm_nodes.wait(job_id, timeout=60, until={"PENDING"}, restarts=1)
+        last = work / "logs" / "train" / "runs" / f"slurm_{job_id}_0" / "checkpoints" / "last.ckpt"
+        saved = saved_step(last)
+        slurm_nodes.scontrol("update", f"nodename={node}", "state=resume")
+        return {"restarts": 1, "saved_before": saved}
+
+    job = run_job(slurm_nodes, work, "requeue.sbatch", [], interrupt)
+    assert int(job.info["Restarts"]) == 1 and job.marks["saved_before"] == -1  # it failed before any checkpoint
+    assert "already holds checkpoints" not in job.output and "Resuming from" not in job.output
+    got, want = weights(job.run), weights(unbroken_job.run)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "the requeued job ended with other weights"
