@@ -242,3 +242,18 @@ def test_a_mixed_precision_run_killed_on_the_gpu_resumes_bit_for_bit(cli, tmp_pa
     (unbroken,) = run_dirs(tmp_path / "unbroken" / "logs")
     (resumed,) = run_dirs(tmp_path / "resumed" / "logs")
     assert_same_weights(weights(resumed), weights(unbroken))
+
+
+def test_the_text_example_trains_in_bf16_on_the_gpu_and_its_checkpoint_generates_without_one(cli, tmp_path):
+    """Data that is not images on the GPU: the GPT on bytes of text, bf16 autocast, then predict on a machine
+    without a GPU continues prompts from its checkpoint."""
+    gpt = ["experiment=gpt_text", "model.max_new_tokens=12", "print_config=false"]
+    cli("train.py", *gpt, "trainer=gpu", "precision=bf16_mixed", env=TINY, cwd=tmp_path / "train", cold=True)
+    (run,) = run_dirs(tmp_path / "train" / "logs")
+    fit = json.loads((run / "fit_metrics.json").read_text())
+    assert fit["status"] == "ok" and fit["val/loss"] < 5.5  # below a uniform guess over 256 bytes (ln 256 = 5.55)
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    cli("predict.py", f"ckpt_path={best}", 'data.prompts=["def "]', env={**TINY, **NO_GPU}, cwd=tmp_path, cold=True)
+    (predicted,) = run_dirs(tmp_path / "logs", task="predict")
+    saved = torch.load(predicted / "predictions.pt", weights_only=True)
+    assert saved["names"] == ["def "] and len(saved["outputs"]) == 1
