@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
@@ -54,36 +53,7 @@ class DDPStrategy(LightningDDPStrategy):
             self._launcher = ProcessGroupEndingLauncher(self, start_method=self._start_method)
 
     def setup_distributed(self) -> None:
-        # Lightning's own, with our rendezvous in place of _init_dist_connection
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
         rendezvous.connect(self, self.rendezvous_timeout_s)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("ddp", "popen"),
-            ("ddp_spawn", "spawn"),
-            ("ddp_fork", "fork"),
-            ("ddp_notebook", "fork"),
-        ):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP ({start_method}), CPU-safe sync_batchnorm",
-                override=True,
-                start_method=start_method,
-            )
-            for find in (True, False):  # Lightning's names for the setting: the template's strategy under them too
-                strategy_registry.register(
-                    f"{name}_find_unused_parameters_{str(find).lower()}",
-                    cls,
-                    description=f"DDP ({start_method}), find_unused_parameters={find}",
-                    override=True,
-                    start_method=start_method,
-                    find_unused_parameters=find,
-                )
 
 
 class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
@@ -217,7 +187,12 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         # gathers from every rank (the random states of engine.callbacks.run_state) would wait for the others.
         kept = [c for c in trainer.callbacks if isinstance(c, (Monitor, ModelCheckpoint, EarlyStopping))]
         callbacks = {c.state_key: c.state_dict() for c in kept}
-        state = {"callbacks": callbacks, "progress": _Progress(trainer).state_dict()}
+        progress = {name: part.state_dict() for name, part in _progress(trainer).items()}
+        state = {
+            "callbacks": callbacks,
+            "progress": progress,
+            "logged_steps": trainer.fit_loop.epoch_loop._batches_that_stepped,
+        }
         buffer = io.BytesIO()
         torch.save(apply_to_collection(state, torch.Tensor, lambda t: t.cpu()), buffer)
         extra["trainer_state_bytes"] = buffer.getvalue()
@@ -229,7 +204,9 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
         super().update_main_process_results(trainer, extra)
         state = torch.load(io.BytesIO(extra["trainer_state_bytes"]), weights_only=False)  # from our own worker
         _call_callbacks_load_state_dict(trainer, state)
-        _Progress(trainer).load_state_dict(state["progress"])
+        for name, part in _progress(trainer).items():  # not the loop's own load_state_dict: it marks a restart
+            part.load_state_dict(state["progress"][name])
+        trainer.fit_loop.epoch_loop._batches_that_stepped = state["logged_steps"]  # the step loggers write at
 
 
 def _own_event_writers(trainer: Any) -> None:
@@ -242,25 +219,11 @@ def _own_event_writers(trainer: Any) -> None:
             logger._experiment = None
 
 
-class _Progress:
-    """The counters a trainer reports its epoch and steps from, without the loop's own load_state_dict (which would
-    mark the fit as restarting)."""
-
-    def __init__(self, trainer: Any) -> None:
-        loop = trainer.fit_loop
-        self.parts = {
-            "epoch": loop.epoch_progress,
-            "optimizer_steps": loop.epoch_loop.automatic_optimization.optim_progress,
-            "manual_steps": loop.epoch_loop.manual_optimization.optim_step_progress,
-        }
-        self.epoch_loop = loop.epoch_loop
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {name: part.state_dict() for name, part in self.parts.items()}
-        state["logged_steps"] = self.epoch_loop._batches_that_stepped  # the step loggers write at
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, part in self.parts.items():
-            part.load_state_dict(state[name])
-        self.epoch_loop._batches_that_stepped = state["logged_steps"]
+def _progress(trainer: Any) -> dict[str, Any]:
+    """The counters a trainer reports its epoch and steps from."""
+    loop = trainer.fit_loop
+    return {
+        "epoch": loop.epoch_progress,
+        "optimizer_steps": loop.epoch_loop.automatic_optimization.optim_progress,
+        "manual_steps": loop.epoch_loop.manual_optimization.optim_step_progress,
+    }

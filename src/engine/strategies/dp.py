@@ -12,6 +12,7 @@ values averaged by chunk size, torchmetrics objects merged into the root's metri
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partialmethod
 from typing import Any
 
 import torch
@@ -99,21 +100,8 @@ class DataParallelStrategy(OneProcessStrategy):
 
     strategy_name = "dp"
 
-    def __init__(
-        self,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        ops: ReplicaOps | None = None,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+    def __init__(self, ops: ReplicaOps | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # accelerator, parallel_devices, checkpoint_io, precision_plugin
         self.ops = ops
 
     @property
@@ -148,19 +136,7 @@ class DataParallelStrategy(OneProcessStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-
-    def _step(self, method: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+    def _step(self, method: str, context: str, *args: Any, **kwargs: Any) -> Any:
         if len(self.devices) < 2:
             return getattr(super(), method)(*args, **kwargs)
         if kwargs:
@@ -170,8 +146,13 @@ class DataParallelStrategy(OneProcessStrategy):
         inputs = ops.scatter(args, self.devices)
         devices = self.devices[: len(inputs)]  # a batch smaller than the GPU count uses fewer
         sizes = [len(t) if (t := first_tensor(chunk)) is not None and t.dim() else 1 for chunk in inputs]
-        replicas = ops.replicate(PieceStep(module, method, context), devices)
+        replicas = ops.replicate(PieceStep(module, method, getattr(self.precision_plugin, context)), devices)
         results = ops.parallel_apply(replicas, inputs, devices)
         steps = [replica.module for replica in replicas if isinstance(replica, PieceStep)]
         log_once(module, steps, [records for _, records in results], sizes, self.root_device)
         return combine([output for output, _ in results], sizes, self.root_device)
+
+    training_step = partialmethod(_step, "training_step", "train_step_context")
+    validation_step = partialmethod(_step, "validation_step", "val_step_context")
+    test_step = partialmethod(_step, "test_step", "test_step_context")
+    predict_step = partialmethod(_step, "predict_step", "predict_step_context")

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 
@@ -26,7 +25,6 @@ from engine.errors import UserError
 from engine.launch.ranks import RankWatchingLauncher
 from engine.runs.atomic_io import fsync_dir
 from engine.strategies import parallelize, rendezvous
-from engine.strategies.grad_mode import evaluate_under_no_grad
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -94,14 +92,15 @@ class FSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of
         Lightning's demand that every LightningModule override configure_model. Evaluation runs under no_grad, as
-        Lightning's own FSDP strategy does (engine.strategies.grad_mode)."""
+        Lightning's own FSDP strategy does."""
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
         from lightning.pytorch.trainer.states import TrainerFn
 
         module = self.lightning_module
         assert self.model is not None and self.accelerator is not None and module is not None
-        evaluate_under_no_grad(trainer)
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False  # no_grad, as gloo takes: FSDP2 cannot gather under inference_mode
         self.accelerator.setup(trainer)
         self.parallelize(parallelize.net_of(module))
         _materialize_distributed_module(self.model, self.root_device)
@@ -139,9 +138,5 @@ class FSDPStrategy(ModelParallelStrategy):
             )
 
     def _setup_distributed(self) -> None:
-        # ModelParallelStrategy's own, with our rendezvous in place of _init_dist_connection
         ParallelStrategy.setup_environment(self)
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
         rendezvous.connect(self, self.rendezvous_timeout_s)

@@ -28,10 +28,6 @@ class OneProcessStrategy(ParallelStrategy):
         return 1
 
     @property
-    def is_distributed(self) -> bool:
-        return False
-
-    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {}  # one loader for all devices
 
@@ -43,14 +39,8 @@ class OneProcessStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
-
     def barrier(self, name: str | None = None) -> None:
         pass
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision

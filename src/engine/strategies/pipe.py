@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partialmethod
 from typing import Any
 
 import torch
@@ -150,18 +151,9 @@ class PipeStrategy(OneProcessStrategy):
         balance: str | Sequence[int] = "params",
         leaves: Sequence[str] = (),
         threads_per_stage: int | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        **kwargs: Any,  # accelerator, parallel_devices, checkpoint_io, precision_plugin
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(**kwargs)
         if micro_batches < 1 or (split_size is not None and split_size < 1):
             raise UserError(
                 f"trainer.strategy: micro_batches={micro_batches}, split_size={split_size}: both must be >= 1"
@@ -255,8 +247,8 @@ class PipeStrategy(OneProcessStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
 
-    def _step(self, name: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any) -> Any:
-        self.step_context = context  # autocast is thread-local: the workers enter it themselves
+    def _step(self, name: str, context: str, *args: Any, **kwargs: Any) -> Any:
+        self.step_context = getattr(self.precision_plugin, context)  # thread-local: the workers enter it
         calls = self._forward.calls if self._forward is not None else 0
         result = getattr(super(), name)(*args, **kwargs)
         if self._forward is not None and self._forward.calls == calls and name == "training_step":
@@ -267,17 +259,10 @@ class PipeStrategy(OneProcessStrategy):
             )
         return result
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+    training_step = partialmethod(_step, "training_step", "train_step_context")
+    validation_step = partialmethod(_step, "validation_step", "val_step_context")
+    test_step = partialmethod(_step, "test_step", "test_step_context")
+    predict_step = partialmethod(_step, "predict_step", "predict_step_context")
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's Strategy.backward, with the stages' backward between the loss's and the hooks after it."""

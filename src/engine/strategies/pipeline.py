@@ -22,6 +22,7 @@ from one device. Checkpoints are one ordinary .ckpt file, gathered on rank 0 (en
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partialmethod
 from typing import Any
 
 import torch
@@ -36,7 +37,6 @@ from torch.distributed.constants import default_pg_timeout
 from engine.errors import UserError
 from engine.strategies import parallelize
 from engine.strategies import pipeline_stages as st
-from engine.strategies.grad_mode import evaluate_under_no_grad
 from engine.strategies.pipeline_checkpoints import OneCheckpointFile
 from engine.strategies.split import Split
 
@@ -218,7 +218,8 @@ class PipelineStrategy(OneCheckpointFile):
         """DDP's setup without the DDP wrapper: this rank's stages on its device, optimizers over its parameters."""
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
-        evaluate_under_no_grad(trainer)  # as every CPU (gloo) run has evaluated it: engine.strategies.grad_mode
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False  # no_grad, as every gloo run takes: cached stages meet no inference tensors
         st.refuse(module)
         self.parallelize(parallelize.net_of(module))  # a module whose configure_model did not hand it over
         # No process holds the whole net, so nothing may run its forward on example_input_array (the model
@@ -275,21 +276,17 @@ class PipelineStrategy(OneCheckpointFile):
             p.grad = g
         return self._finish("training_step", args, kwargs, output, self.precision_plugin.train_step_context)
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", args, kwargs, self.precision_plugin.val_step_context)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", args, kwargs, self.precision_plugin.test_step_context)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
-
-    def _evaluate(self, method: str, args: tuple, kwargs: dict, context: Callable) -> Any:
+    def _evaluate(self, method: str, context_name: str, *args: Any, **kwargs: Any) -> Any:
+        context = getattr(self.precision_plugin, context_name)
         run = self._run(st.net_input(args[0]), train=False)
         self._error = None
         with context():
             output = self._schedule(run, args[0], train=False)
         return self._finish(method, args, kwargs, output, context)
+
+    validation_step = partialmethod(_evaluate, "validation_step", "val_step_context")
+    test_step = partialmethod(_evaluate, "test_step", "test_step_context")
+    predict_step = partialmethod(_evaluate, "predict_step", "predict_step_context")
 
     def _run(self, x: Tensor, train: bool) -> st.Run:
         """The stages and schedule for this shape, built once. The ranks of the pipeline first check that they
@@ -379,14 +376,11 @@ class PipelineStrategy(OneCheckpointFile):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        squares = torch.zeros((), device=self.root_device)
-        if grads:
-            squares = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float() for g in grads]).pow(2).sum()
+        params = list(self.precision_plugin.main_params(optimizer))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        squares = norm.float().to(self.root_device).pow(2)
         dist.all_reduce(squares, group=self.pp_group)  # the norm of all stages' gradients together
-        coefficient = torch.clamp(float(clip_val) / (squares.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coefficient.to(g.dtype))
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, squares.sqrt())
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         # sync_dist: the stages of a pipeline already hold the same logged values; only pipelines differ

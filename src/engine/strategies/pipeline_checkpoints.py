@@ -5,7 +5,6 @@ each stage takes its part back. So a pipeline checkpoint loads on one device, un
 
 from collections.abc import Sequence
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,14 +51,6 @@ class OneCheckpointFile(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         return layout(optimizer, {id(p): n for n, p in module.named_parameters()})
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if Path(checkpoint_path).is_dir():
-            raise UserError(
-                f"ckpt_path={checkpoint_path} is a directory of shards (strategy=fsdp): trainer=pipeline reads the "
-                "ordinary .ckpt files that one device, ddp and pipeline write"
-            )
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module

@@ -258,28 +258,24 @@ def metrics(module: nn.Module) -> dict[str, Metric]:
     return {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
 
 
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, Tensor) else [v.detach().clone() for v in value]
+Snapshot = dict[str, tuple[dict[str, Any], int, Any]]
 
 
-Snapshot = dict[str, tuple[dict[str, Any], int, Any, Any]]
+def _states(found: dict[str, Metric], paths: Iterable[str], move: Callable[[Tensor], Tensor]) -> Snapshot:
+    return {
+        p: (
+            {k: apply_to_collection(v, Tensor, move) for k, v in found[p].metric_state.items()},
+            found[p]._update_count,
+            apply_to_collection(found[p]._forward_cache, Tensor, move),
+        )
+        for p in paths
+    }
 
 
 def snapshot(found: dict[str, Metric]) -> Snapshot:
     """Copies of every metric's state: the per-micro-batch runs of training_step (which only compute the loss)
     update metrics too, and must leave no trace."""
-    return {
-        path: ({k: _copy(v) for k, v in m.metric_state.items()}, m._update_count, m._forward_cache, m._computed)
-        for path, m in found.items()
-    }
-
-
-def restore(found: dict[str, Metric], saved: Snapshot) -> None:
-    for path, (state, count, forward_cache, computed) in saved.items():
-        metric = found[path]
-        for name, value in state.items():
-            object.__setattr__(metric, name, value)
-        metric._update_count, metric._forward_cache, metric._computed = count, forward_cache, computed
+    return _states(found, found, lambda t: t.detach().clone())
 
 
 def to_cpu(value: Any) -> Any:
@@ -287,23 +283,21 @@ def to_cpu(value: Any) -> Any:
     return apply_to_collection(value, Tensor, lambda t: t.detach().cpu())
 
 
-def export_states(found: dict[str, Metric], paths: Iterable[str]) -> dict[str, tuple[dict[str, Any], int, Any]]:
-    return {p: (to_cpu(found[p].metric_state), found[p]._update_count, to_cpu(found[p]._forward_cache)) for p in paths}
+def export_states(found: dict[str, Metric], paths: Iterable[str]) -> Snapshot:
+    return _states(found, paths, lambda t: t.detach().cpu())
 
 
-def import_states(
-    found: dict[str, Metric], states: dict[str, tuple[dict[str, Any], int, Any]], device: torch.device
-) -> None:
-    """Overwrite this rank's copies with the last stage's metrics, the ones the user's step updated."""
-    for path, (state, count, forward_cache) in states.items():
+def restore(found: dict[str, Metric], saved: Snapshot, device: torch.device | None = None) -> None:
+    """Put back saved states, or (with `device`) take the last stage's, the ones the user's step updated."""
+    for path, (state, count, forward_cache) in saved.items():
         metric = found[path]
         for name, value in state.items():
-            object.__setattr__(metric, name, move_data_to_device(value, device))
-        metric._update_count, metric._forward_cache, metric._computed = (
-            count,
-            move_data_to_device(forward_cache, device),
-            None,
-        )
+            object.__setattr__(metric, name, value if device is None else move_data_to_device(value, device))
+        metric._update_count, metric._computed = count, None
+        metric._forward_cache = forward_cache if device is None else move_data_to_device(forward_cache, device)
+
+
+import_states = restore
 
 
 def export_records(records: list[Record], found: dict[str, Metric]) -> list[tuple[str, str, Any, dict[str, Any]]]:

@@ -45,9 +45,14 @@ def listen_on(address: str, port: int, torchrun: bool = False) -> tuple[int, int
 
 
 def connect(strategy: Any, timeout_s: int) -> None:
-    """torch.distributed.init_process_group for `strategy` (a Lightning ParallelStrategy), through our store."""
+    """Lightning's setup_distributed for `strategy` (a ParallelStrategy), through our store."""
     import torch.distributed as dist
     from lightning.fabric.utilities.distributed import _init_dist_connection
+    from lightning.fabric.utilities.seed import reset_seed
+
+    reset_seed()
+    strategy.set_world_ranks()
+    strategy._process_group_backend = strategy._get_process_group_backend()
 
     backend = strategy._process_group_backend
     kwargs: dict[str, Any] = {"timeout": strategy._timeout}
