@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
-from hydra.types import RunMode
+from hydra.errors import CompactHydraException, InstantiationException
 from omegaconf import DictConfig
 
 from engine.console import (
@@ -33,6 +32,7 @@ from engine.errors import (
     exit_with,
     missing_compile_backend_in,
     run_log,
+    say,
     unused_parameters_in,
     user_error_in,
 )
@@ -182,8 +182,6 @@ def cli(hydra_main: Callable[[], Any]) -> None:
             _summary_of_a_stopped_sweep()
         _leave(e.code)
     except KeyboardInterrupt:  # outside a run (between a sweep's jobs, before one starts): nothing of a run to save
-        from engine.errors import say
-
         say("stopped by SIGINT")
         _summary_of_a_stopped_sweep()
         _leave(130)
@@ -193,12 +191,11 @@ def cli(hydra_main: Callable[[], Any]) -> None:
 def _summary_of_a_stopped_sweep() -> None:
     """A sweep that a signal stopped ends without Hydra's end-of-sweep callbacks: its summary (the finished jobs, the
     one stopped, those not started) is written here, as at its end."""
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+    if not sweeps.is_multirun():
         return
     sweep_dir = Path(HydraConfig.get().sweep.dir)
     if not sweep_dir.is_dir() or not any((p / ".hydra").is_dir() for p in sweep_dir.iterdir()):
         return
-    from engine.errors import say
     from engine.sweeps.summary import write_summary
 
     try:
@@ -212,7 +209,7 @@ def _summary_of_a_stopped_sweep() -> None:
 
 def _remove_unused_sweep_dir() -> None:
     """A sweep refused before any job ran (a search-space or storage error) leaves no sweep directory."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if sweeps.is_multirun():
         remove_if_unused(Path(HydraConfig.get().sweep.dir))
 
 
@@ -285,17 +282,6 @@ def _show_start(cfg: DictConfig, output_dir: Path) -> None:
         print_config_tree(cfg)
 
 
-def _instantiation_error_in(error: BaseException) -> UserError | None:
-    """A target that refused its arguments while the task built it with hydra.utils.instantiate: one line."""
-    from hydra.errors import InstantiationException
-
-    if not isinstance(error, InstantiationException):
-        return None
-    from engine.build import one_line
-
-    return one_line(error)
-
-
 def _task(name: str) -> Callable[[DictConfig], Any]:
     """`module:function`, imported only now: torch and Lightning load once the config has passed its checks."""
     import importlib
@@ -353,9 +339,13 @@ def run(task: str, cfg: DictConfig) -> Any:
         except Exception as e:
             if full_error():
                 raise
-            e = _instantiation_error_in(e) or missing_compile_backend_in(e) or unused_parameters_in(e) or e
+            if isinstance(e, InstantiationException):  # a target that refused its arguments while the task built it
+                from engine.build import one_line
+
+                e = one_line(e)
+            e = missing_compile_backend_in(e) or unused_parameters_in(e) or e
             e = data_refusal_in(e) or misfit_in(e, cfg.get("model")) or e
-            if hc.mode == RunMode.MULTIRUN:
+            if sweeps.is_multirun():
                 if isinstance(e, SweepStopped):
                     raise  # the sweeper says it, once
                 record_failure(Path(hc.runtime.output_dir), _error_line(e))

@@ -238,9 +238,6 @@ class RunChecks(L.Callback):
 
             connector.__dict__["register_signal_handlers"] = register_then_ours
 
-    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install(trainer)
-
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
         self._trained = True  # a test after it follows a fit (train.py), not only a checkpoint (eval.py)
@@ -254,6 +251,8 @@ class RunChecks(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
+
+    on_sanity_check_start = on_validation_start
 
     # ------------------------------------------------------------ test: nothing to save, the test stops
 

@@ -69,14 +69,7 @@ class PredictionsWriter(BasePredictionWriter):
         self.outputs: list[Any] = []
 
     def write_on_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        prediction: Any,
-        batch_indices: Sequence[int] | None,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any, batch: Any, *_: Any
     ) -> None:
         if batch_indices is None or not len(batch_indices):
             raise RuntimeError("predictions need a DataLoader with a batch sampler: Lightning gave no batch indices")

@@ -119,11 +119,8 @@ class TensorBoardInsights(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # A fit that an error or a signal's stop ends gets no on_train_end or teardown from Lightning: the figures
         # held back are drawn now, before the loggers close. A drawing error is logged: the run's error is the news.
-        undrawn, self._undrawn = self._undrawn, None
         try:
-            if undrawn is not None:
-                self._draw(*undrawn)
-            self._finish_drawing()
+            self.on_train_end(trainer, pl_module)
         except Exception as e:
             log.warning(f"TensorBoard figures not drawn: {type(e).__name__}: {e}")
 
@@ -139,20 +136,13 @@ class TensorBoardInsights(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._matrix, self._grid = None, None
 
-    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._matrix, self._grid = None, None
+    on_test_epoch_start = on_validation_epoch_start
 
     def on_validation_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
     ) -> None:
         if self._due(trainer):
-            self._collect(trainer, pl_module, outputs, batch, "validation_step")
+            self._collect(trainer, pl_module, outputs, args[0], "validation_step")  # args: the batch, its index, ...
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self._collect(trainer, pl_module, outputs, args[0], "test_step")  # args: the batch, its index, ...

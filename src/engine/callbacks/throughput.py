@@ -152,20 +152,10 @@ class ThroughputMonitor(_ThroughputMonitor):
         self._module_has_flops = bool(flops)  # Lightning's once-a-run look, for this stage (no warning: said above)
 
     @rank_zero_only
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
         self._start_counting(trainer)
 
-    @rank_zero_only
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._start_counting(trainer)
-
-    @rank_zero_only
-    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._start_counting(trainer)
-
-    @rank_zero_only
-    def on_predict_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._start_counting(trainer)
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = on_train_batch_start
 
     @rank_zero_only
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:

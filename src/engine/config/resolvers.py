@@ -14,9 +14,6 @@ def rank_log() -> str:
 
 
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("run_dir"):
-        OmegaConf.register_new_resolver("run_dir", run_dir, use_cache=True)
-    if not OmegaConf.has_resolver("rank_log"):
-        OmegaConf.register_new_resolver("rank_log", rank_log, use_cache=True)
-    if not OmegaConf.has_resolver("cwd"):
-        OmegaConf.register_new_resolver("cwd", cwd, use_cache=True)
+    for name, resolver in (("run_dir", run_dir), ("rank_log", rank_log), ("cwd", cwd)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver, use_cache=True)

@@ -63,34 +63,21 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _database(tracking_uri: str) -> Path | None:
-    """The file of a `sqlite:///<path>` store (4 slashes: an absolute path), else None."""
-    return Path(tracking_uri[len("sqlite:///") :]) if tracking_uri.startswith("sqlite:///") else None
-
-
 def _beside(tracking_uri: str, experiment_name: str) -> str | None:
     """Artifacts of a new experiment in a sqlite store: `mlartifacts/<experiment>/` beside its file (MLflow would
     put them in ./mlruns of whatever directory the run started in); a server keeps its own."""
-    database = _database(tracking_uri)
+    database = tracking.sqlite_file(tracking_uri)
     return str(database.parent.resolve() / "mlartifacts" / experiment_name) if database is not None else None
 
 
 def _store_lock(tracking_uri: str) -> contextlib.AbstractContextManager[None]:
     """For a sqlite store, a lock beside its file: two processes that open a new file at once would both create
     its tables, and one fails."""
-    database = _database(tracking_uri)
+    database = tracking.sqlite_file(tracking_uri)
     if database is None:
         return contextlib.nullcontext()
     database.parent.mkdir(parents=True, exist_ok=True)
     return tracking.locked(f"{database}.lock")
-
-
-def _remove_new_store(database: Path) -> None:
-    """A sqlite store this run created and could not finish (a full disk, a folder that is not writable): its file
-    and sqlite's companions, so that nothing half-made is left for the next run to trip over."""
-    for path in (database, *(database.with_name(database.name + end) for end in ("-journal", "-wal", "-shm"))):
-        with contextlib.suppress(OSError):
-            path.unlink()
 
 
 def _check_server(tracking_uri: str) -> None:
@@ -235,7 +222,7 @@ class MLFlowLogger(LightningMLFlowLogger):
                     f"logger.mlflow.tracking_uri to that store to continue it, or logger.mlflow.resume=false for a "
                     "new MLflow run"
                 )
-        database = _database(tracking_uri)
+        database = tracking.sqlite_file(tracking_uri)
         with _store_lock(tracking_uri):  # the client opens the store: a new sqlite file gets its tables here
             new_store = database is not None and not database.exists()
             try:
@@ -249,7 +236,7 @@ class MLFlowLogger(LightningMLFlowLogger):
                 )
             except Exception as e:  # another format, not a database, a full disk: one line, and no half-made store
                 if new_store and database is not None:
-                    _remove_new_store(database)
+                    tracking.remove_sqlite(database)
                 raise UserError(
                     f"logger.mlflow: tracking_uri={tracking_uri}: {tracking.one_line(e)}; fix the store or "
                     "give another (logger.mlflow.tracking_uri)"

@@ -116,6 +116,19 @@ def remember(directory: str | Path, tracker: str, ids: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def sqlite_file(url: str | None) -> Path | None:
+    """The file of an sqlite store or storage (`sqlite:///<path>`), None for an in-memory one or another database."""
+    path = Path(url.removeprefix("sqlite:///")) if url and url.startswith("sqlite:///") else None
+    return None if path is None or str(path) in ("", ":memory:") else path
+
+
+def remove_sqlite(path: Path) -> None:
+    """A database this process created and could not finish, with sqlite's companions: nothing half-made is left."""
+    for each in (path, *(path.with_name(path.name + end) for end in ("-journal", "-wal", "-shm"))):
+        with contextlib.suppress(OSError):
+            each.unlink()
+
+
 def run_dir_of(ckpt_path: str) -> Path:
     """The run dir a checkpoint belongs to: `<run>/checkpoints/last.ckpt` and `<run>/hpc_ckpt_1.ckpt` -> `<run>`."""
     path = Path(ckpt_path).expanduser().resolve()

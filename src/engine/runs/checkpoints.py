@@ -260,13 +260,6 @@ def build_model(config: dict, path: Path, state_dict: dict | None) -> Any:
         ) from e
 
 
-def read(path: str) -> dict:
-    """A checkpoint to continue from, read once: its CRC checked (check_readable), then loaded weights-only with
-    its tensors mapped from the file rather than read (mmap), for every check before a run and for Lightning's
-    restore (engine.runs.atomic_io hands Lightning this dict)."""
-    return load(check_readable(path), mmap=True)
-
-
 def check_weights_fit(path: str, ckpt: dict, model: Any) -> None:
     """A checkpoint to continue from must hold weights of this model's shapes, or Lightning's restore fails
     deep in load_state_dict."""

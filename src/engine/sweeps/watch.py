@@ -20,6 +20,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from engine.errors import in_a_run, say
+
 log = logging.getLogger(__name__)
 
 SWEEP_PID = "PROJECT_SWEEP_PID"  # the sweep's process, set there before its workers start (they inherit it)
@@ -59,20 +61,11 @@ def _gone(pid: int) -> bool:
 def _watch(sweep: int, every_s: float) -> None:
     while not _gone(sweep):
         time.sleep(every_s)
-    if _in_job():
-        from engine.errors import say
-
+    if in_a_run():
         say(f"the sweep's process (pid {sweep}) is gone: worker {os.getpid()} stops its job as a SIGTERM would")
         os.kill(os.getpid(), signal.SIGTERM)
-        while _in_job():  # the run saves last.ckpt and ends
+        while in_a_run():  # the run saves last.ckpt and ends
             time.sleep(0.2)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(128 + signal.SIGTERM)  # no work can come to this worker any more
-
-
-def _in_job() -> bool:
-    """Whether the worker's main thread is running a job (inside engine.entry.run) rather than waiting for one."""
-    from engine.errors import in_a_run
-
-    return in_a_run()

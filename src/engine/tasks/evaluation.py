@@ -14,7 +14,6 @@ from engine.runs.dirs import make_output_dirs
 from engine.runs.full_model import load_model
 from engine.runs.results import read_metrics, write_metrics
 from engine.sweeps import jobs as sweeps
-from engine.tasks.numerics import set_matmul_precision
 from engine.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
@@ -42,8 +41,7 @@ class EvalRun:
     Trainer loads); `data`: the data config to build."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        seed_run(cfg.seed)
-        set_matmul_precision(cfg.float32_matmul_precision)
+        seed_run(cfg.seed, cfg.float32_matmul_precision)
         self.cfg = cfg
         path = checkpoints.check_readable(cfg.ckpt_path)
         self.model, train_config = load_model(str(path), cfg.trusted_packages)

@@ -121,14 +121,12 @@ def max_difference(module: Any, path: Path, fmt: str, inputs: Any, input_name: s
         return float((run_exported(path, fmt, inputs, input_name, output_name) - module(inputs)).abs().max())
 
 
-def _batch_input(batch: Any) -> Any:
-    return batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-
-
 def _example_from_data(model: Any, train_config: dict, trusted: list[str]) -> Any:
     """One batch of the checkpoint's own DataModule: its predict_dataloader's inputs, else a validation batch's."""
     import hydra
     from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from engine.tasks.prediction import batch_input
 
     data = train_config.get("data")
     if not isinstance(data, dict):
@@ -138,9 +136,9 @@ def _example_from_data(model: Any, train_config: dict, trusted: list[str]) -> An
         datamodule = hydra.utils.instantiate(data)
         if is_overridden("predict_dataloader", datamodule):
             datamodule.setup("predict")
-            return _batch_input(next(iter(datamodule.predict_dataloader())))
+            return batch_input(next(iter(datamodule.predict_dataloader())))
         datamodule.setup("validate")
-        return _batch_input(next(iter(datamodule.val_dataloader())))
+        return batch_input(next(iter(datamodule.val_dataloader())))
     except Exception as e:  # the data is not on this machine, or its loader needs more: the one-line refusal follows
         log.info("No example batch from the checkpoint's data (%s: %s)", type(e).__name__, e)
         return None

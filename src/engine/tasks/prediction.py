@@ -14,7 +14,6 @@ from engine.errors import RunEnded, UserError
 from engine.runs import checkpoints
 from engine.runs.dirs import make_output_dirs
 from engine.sweeps import jobs as sweeps
-from engine.tasks.numerics import set_matmul_precision
 from engine.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
@@ -43,11 +42,14 @@ def input_spec_of(model: Any, config: dict, cfg: DictConfig) -> Any:
     )
 
 
+def batch_input(batch: Any) -> Any:
+    """A batch's inputs: its "input" entry, its first item, or the batch itself."""
+    return batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
 def _forward_on_inputs(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """The predict_step of a module that defines none: its forward on the batch's inputs."""
-    return module(
-        batch["input"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    )
+    return module(batch_input(batch))
 
 
 def _predict_with_forward(model: Any) -> None:
@@ -101,8 +103,7 @@ class PredictRun:
             )
         from engine.runs.full_model import datamodule_state, load_full_model
 
-        seed_run(cfg.seed)
-        set_matmul_precision(cfg.float32_matmul_precision)
+        seed_run(cfg.seed, cfg.float32_matmul_precision)
         self.cfg = cfg
         self.model, train_config = load_full_model(cfg.ckpt_path, cfg.trusted_packages)
         _predict_with_forward(self.model)

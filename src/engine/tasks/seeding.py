@@ -7,8 +7,14 @@ import random
 _SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-def seed_run(seed: int | None) -> None:
+def seed_run(seed: int | None, matmul_precision: str | None = None) -> None:
+    """Also `float32_matmul_precision` on CUDA (TF32 for `high`); CPU results stay bit-exact for the equivalence
+    tests."""
     import lightning.pytorch as L
+    import torch
+
+    if matmul_precision is not None and torch.cuda.is_available():
+        torch.set_float32_matmul_precision(matmul_precision)
 
     if seed is not None:
         L.seed_everything(seed, workers=True)
@@ -16,7 +22,6 @@ def seed_run(seed: int | None) -> None:
     # An earlier job of this sweep process may have seeded everything: draw fresh state from the OS instead,
     # and make sure no rank or later process inherits that job's seed.
     import numpy as np
-    import torch
 
     for variable in _SEED_VARIABLES:
         os.environ.pop(variable, None)

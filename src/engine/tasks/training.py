@@ -22,7 +22,6 @@ from engine.runs.dirs import continuing, make_output_dirs
 from engine.runs.results import write_metrics
 from engine.sweeps import jobs as sweeps
 from engine.tasks import tune
-from engine.tasks.numerics import set_matmul_precision
 from engine.tasks.seeding import seed_run
 
 log = logging.getLogger(__name__)
@@ -43,8 +42,7 @@ class TrainRun:
         going_on = continuing(self.output_dir)  # a restart, or the launch that wrote its checkpoints (engine.runs.dirs)
         resume.check_output_dirs(self.output_dir, cfg.callbacks, going_on)
         make_output_dirs(cfg)
-        seed_run(cfg.seed)
-        set_matmul_precision(cfg.float32_matmul_precision)
+        seed_run(cfg.seed, cfg.float32_matmul_precision)
         self.ckpt_path: str | None = resume.resume_point(self.output_dir, going_on, cfg.ckpt_path)
         self._resumed: dict = {}
         self._stretch: list[Any] = []
@@ -52,7 +50,8 @@ class TrainRun:
         self._monitor: Monitor | None = None
         self._tested = ""  # the best checkpoint of this fit, tested
         if self.ckpt_path:
-            self._resumed = checkpoints.read(self.ckpt_path)  # read once: for these checks and Lightning's restore
+            # read once, tensors mmapped: for these checks and Lightning's restore (AtomicCheckpointIO.hand_over)
+            self._resumed = checkpoints.load(checkpoints.check_readable(self.ckpt_path), mmap=True)
             resume.check_same_model(self.ckpt_path, self._resumed, cfg.model)
             if cfg.train:
                 length = resume.schedule_length(self.ckpt_path, self._resumed, cfg.model, cfg.stretch_schedule)

@@ -17,10 +17,6 @@ PRUNER_ATTR = "pruner"  # study user attr: the pruner config, for jobs that load
 PRUNED_ATTR = "pruned"  # trial user attr a job sets when the pruner stopped it (read back from storage)
 ERROR_ATTR = "error"  # trial user attr: the one-line error of a failed trial
 INTERRUPTED_ATTR = "interrupted"  # trial user attr: the sweep died during this trial; it does not count
-# A failed job's one-line error and traceback, in its own directory (engine.sweeps.jobs.record_failure
-# writes it; the sweeper writes it for failures the job could not record itself). SweepReport and the sweep
-# summary read it there, whatever launcher ran the job.
-ERROR_FILE = "error.txt"
 # In the sweep dir: which study the sweep ran (name, storage, direction), for the summary's Optuna plots
 # (plots.py) and for a person looking for the study of a sweep.
 STUDY_FILE = "optuna_study.yaml"

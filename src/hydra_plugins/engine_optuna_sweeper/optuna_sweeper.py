@@ -27,6 +27,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from engine.errors import UserError, disk_error_in
+from engine.loggers import tracking
 
 from . import in_flight, outcome, space, study
 from .config import STORAGE_ENV, STUDY_ENV, STUDY_FILE, TRIAL_ID_ENV, TRIAL_NUMBER_ENV
@@ -121,25 +122,25 @@ class ProjectOptunaSweeper(Sweeper):
                 self._run_in_batches(the_study, search, fixed, name)
             study.save_best(the_study, Path(self._config.hydra.sweep.dir) / "optimization_results.yaml")
         except Exception as e:  # the lock goes when the process ends; the jobs' dirs stay
-            if isinstance(e, UserError):  # said already
+            said = ", so the sweep stopped; make room there, then run the same command again: the study goes on"
+            refused = e if isinstance(e, UserError) else self._refusal(e, f"{said} from where it stopped")
+            if refused is e:
                 raise
-            reason = study.storage_failure(e)
-            if reason is not None:
-                raise SweeperConfigError(
-                    f"hydra.sweeper.storage={self.storage}: cannot be written ({reason}), so the sweep stopped; "
-                    "make room there, then run the same command again: the study goes on from where it stopped"
-                ) from e
-            disk = disk_error_in(e)  # the sweep's own files (a failed job's error.txt, optimization_results.yaml)
-            if disk is None:
-                raise
-            raise disk from e
+            raise refused from e
+
+    def _refusal(self, error: Exception, then: str) -> Exception:
+        """A storage's failure, or a full disk under the sweep's files, as one line; any other error as it is."""
+        reason = study.storage_failure(error)
+        if reason is not None:
+            return SweeperConfigError(f"hydra.sweeper.storage={self.storage}: cannot be written ({reason}){then}")
+        return disk_error_in(error) or error
 
     def _start(self, name: str) -> Any:
         """The study, locked and opened, and the sweep dir's files that name it. Refused (a storage that cannot be
         opened or written, a disk that is full), it leaves nothing behind: not the lock, not a database it created
         (nor the folders made for it), not those files (engine.entry then removes the sweep dir)."""
         global ACTIVE_STUDY
-        path = study.database(self.storage)
+        path = tracking.sqlite_file(self.storage)
         folders = [p for p in (path.parent, *path.parent.parents) if not p.exists()] if path else []
         new_database = path is not None and not path.exists()
         sweep_dir = Path(self._config.hydra.sweep.dir)
@@ -162,22 +163,19 @@ class ProjectOptunaSweeper(Sweeper):
             ACTIVE_STUDY = None
             study.release(self._lock)
             if new_database and path is not None:
-                study.remove_new_database(path, folders)
+                tracking.remove_sqlite(path)
+                for folder in folders:  # the deepest first
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
             for each in written:
                 with contextlib.suppress(OSError):
                     each.unlink()
             if not isinstance(e, Exception) or isinstance(e, UserError):  # Ctrl-C, or said already (open_study)
                 raise
-            reason = study.storage_failure(e)
-            if reason is not None:
-                raise SweeperConfigError(
-                    f"hydra.sweeper.storage={self.storage}: cannot be written ({reason}); make room there, or use a "
-                    "storage on a writable disk"
-                ) from e
-            disk = disk_error_in(e)  # the sweep dir's files
-            if disk is None:
+            refused = self._refusal(e, "; make room there, or use a storage on a writable disk")
+            if refused is e:
                 raise
-            raise disk from e
+            raise refused from e
         return the_study
 
     def _too_many_failures(self, failures: int) -> bool:

@@ -16,8 +16,9 @@ from typing import Any, Optional
 from hydra.core.utils import JobReturn, JobStatus
 
 from engine.errors import SweepStopped
+from engine.sweeps.jobs import ERROR_FILE
 
-from .config import ERROR_ATTR, ERROR_FILE, PRUNED_ATTR
+from .config import ERROR_ATTR, PRUNED_ATTR
 from .study import tell
 
 log = logging.getLogger(__name__)

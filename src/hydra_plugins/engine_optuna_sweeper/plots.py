@@ -31,7 +31,9 @@ def _study(sweep_dir: Path) -> Any:
         if active is not None and active.study_name == name:
             return active
         raise NotDrawn(f"study {name} was kept in memory (hydra.sweeper.storage=null) and ended with its sweep")
-    database = Path(str(storage).removeprefix("sqlite:///")) if str(storage).startswith("sqlite:///") else None
+    from engine.loggers.tracking import sqlite_file
+
+    database = sqlite_file(str(storage))
     if database is not None and not database.is_file():  # opening it would create an empty database
         raise NotDrawn(f"{database} does not exist any more")
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -15,44 +15,25 @@ from typing import Any, Optional
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from engine.loggers.tracking import sqlite_file
+
 from .config import INTERRUPTED_ATTR, PRUNER_ATTR
 from .errors import StudyUnwritable, SweeperConfigError
 
 log = logging.getLogger(__name__)
 
 
-def database(storage: Optional[str]) -> Optional[Path]:
-    """The file of an sqlite storage (`sqlite:///<path>`), None for an in-memory one or another database."""
-    if not storage or not storage.startswith("sqlite:///"):
-        return None
-    path = Path(storage.removeprefix("sqlite:///"))
-    return None if str(path) in ("", ":memory:") else path
-
-
-def remove_new_database(path: Path, folders: list[Path]) -> None:
-    """A database a refused sweep created, with sqlite's companions, and the `folders` made for it that are empty."""
-    for each in (path, *(path.with_name(path.name + end) for end in ("-journal", "-wal", "-shm"))):
-        with contextlib.suppress(OSError):
-            each.unlink()
-    for folder in folders:  # the deepest first
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
 def storage_failure(error: BaseException) -> Optional[str]:
     """What the storage said, in a few readable words, when `error` is its failure (SQLAlchemy's error, or Optuna's
     StorageInternalError around one: a full or read-only disk, a database server gone); None for any other error."""
+    from engine.errors import _chain
     from engine.loggers.tracking import readable
 
     if isinstance(error, StudyUnwritable):  # a job's, said in its storage's words already
         return str(error)
-    seen: set[int] = set()
-    e: Optional[BaseException] = error
-    while e is not None and id(e) not in seen:  # causes only: not an error raised while one was handled
-        seen.add(id(e))
+    for e in _chain(error, causes_only=True):  # not an error raised while one was handled
         if type(e).__module__.split(".")[0] == "sqlalchemy":
             return readable(str(getattr(e, "orig", None) or e))[:200]  # the driver's words, without the statement
-        e = e.__cause__
     if type(error).__name__ == "StorageInternalError":
         return readable(str(error))[:200]
     return None
@@ -60,16 +41,15 @@ def storage_failure(error: BaseException) -> Optional[str]:
 
 def _make_sqlite_dir(storage: str) -> None:
     """sqlite creates the file but not its directory (logs/ in a fresh clone)."""
-    if storage.startswith("sqlite:///"):
-        path = Path(storage.removeprefix("sqlite:///"))
-        if str(path) not in ("", ":memory:"):
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise SweeperConfigError(
-                    f"hydra.sweeper.storage={storage}: its folder cannot be made ({e.strerror}); use a storage on "
-                    "a writable disk"
-                ) from e
+    path = sqlite_file(storage)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SweeperConfigError(
+                f"hydra.sweeper.storage={storage}: its folder cannot be made ({e.strerror}); use a storage on "
+                "a writable disk"
+            ) from e
 
 
 def lock(name: str, storage: Optional[str]) -> Any:
@@ -84,7 +64,7 @@ def lock(name: str, storage: Optional[str]) -> Any:
 
     from engine.loggers.tracking import same_file
 
-    path = database(storage)
+    path = sqlite_file(storage)
     if path is None:
         return None
     _make_sqlite_dir(str(storage))
