@@ -1,7 +1,5 @@
-"""Builds every component from its config node, checking each key and value against its `_target_` first.
-
-One place, one order (data, model, callbacks, loggers, trainer); components receive plain
-arguments, never the whole config. A bad key or value ends as a UserError naming the field.
+"""Builds every component from its config node, checking each key and value against its `_target_` first: one place,
+one order (data, model, callbacks, loggers, trainer); components get plain arguments, never the whole config.
 """
 
 import difflib
@@ -258,10 +256,8 @@ def trainer(
     run_config: dict[str, Any] | None = None,
     speedups: bool = True,
 ) -> Any:
-    """The Trainer, after the checks that need no Lightning: processes vs launcher; then the ones that do. The run
-    config goes into every checkpoint through the RunState callback (conf/callbacks/run_state.yaml), if listed.
-    `speedups` (config: `speedups`): the engine's shortcuts through Lightning's per-step bookkeeping, each worth
-    more than 5% of a CPU step on the MNIST-sized epoch (benchmarks/speedups.py)."""
+    """The Trainer, checked before and after Lightning builds it; `run_config` goes into checkpoints via RunState.
+    `speedups`: shortcuts through Lightning's per-step bookkeeping, each >5% of a CPU step (benchmarks/speedups.py)."""
     import engine.strategies  # noqa: F401  registers "dp" and our "ddp" before the Trainer looks names up
     from engine.callbacks.dispatch import skip_unused_hooks
     from engine.loggers.logged_values import skip_needless_moves

@@ -217,12 +217,8 @@ _QUICK_EXIT = {"on": True}  # the run's `speedups`, set by run()
 
 
 def _leave(code: Any) -> None:
-    """End the process as the interpreter would, without its last step: threads joined (threading's exit hooks
-    first, which stop joblib's workers), atexit handlers run (log files, temporary directories, child processes),
-    streams flushed; then exit. The step left out tears down every module torch and Lightning loaded, about 1.3 s
-    at the end of every run and of every rank's process (benchmarks/startup.py), and nothing here needs it.
-    With `speedups=false`, or under `python -m cProfile` (it writes its stats after the script returns), the
-    interpreter ends as usual."""
+    """Exit as the interpreter would (threads joined, atexit run, streams flushed) minus its module teardown, about
+    1.3 s a process (benchmarks/startup.py); with `speedups=false` or under cProfile, the usual exit."""
     import atexit
     import threading
 
@@ -292,9 +288,8 @@ def _task(name: str) -> Callable[[DictConfig], Any]:
 
 @contextlib.contextmanager
 def _signal_handlers_put_back() -> Iterator[None]:
-    """The signal handlers as they were before the task: a run's own (engine.callbacks.checks: record, act at the
-    next agreement) outlive its trainer, which puts back the ones it found, theirs. The next job of a sequential
-    sweep, or the sweep after its last job, would have Ctrl-C recorded for a run that is over, and ignored."""
+    """The signal handlers as before the task: a run's own (engine.callbacks.checks) outlive its trainer, and would
+    record a sequential sweep's later Ctrl-C for a run that is over, and ignore it."""
     import signal
     import threading
 
@@ -312,10 +307,8 @@ def _signal_handlers_put_back() -> Iterator[None]:
 
 
 def run(task: str, cfg: DictConfig) -> Any:
-    """Call the task (`module:function`) on `cfg`. A mistake leaves no run dir behind and becomes one
-    `error: ...` line on stderr with exit code 2; config mistakes are found before torch is even imported. In a
-    sweep, any failure fails this job only: one line on stderr, the traceback in the job's error.txt, and the
-    sweep goes on (engine.sweeps.jobs.SweepReport exits non-zero at its end)."""
+    """Call the task (`module:function`) on `cfg`. A mistake leaves no run dir and becomes one `error: ...` line (exit
+    code 2); in a sweep a failure fails this job only (engine.sweeps.jobs.SweepReport exits non-zero at the end)."""
     from engine.config.schema import check_config
 
     ignore_known_warnings()

@@ -20,9 +20,8 @@ class UserError(Exception):
 
 
 def printable(text: str) -> str:
-    """`text` on one line whatever it quotes: a file name, key or value holding a line break, a control character
-    or bytes that are not UTF-8 (surrogate-escaped by the file system) is shown escaped (\\n, \\x1b, \\xff), so a
-    message stays one line and prints on any terminal."""
+    """`text` on one line whatever it quotes: line breaks, control characters and undecodable bytes (surrogate-escaped
+    by the file system) are shown escaped (\\n, \\x1b, \\xff), so it prints on any terminal."""
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else _escaped(ch) for ch in text)
@@ -41,9 +40,8 @@ class SweepStopped(Exception):
 
 
 class RunEnded(BaseException):
-    """The run is over before its task's end, with `value` as its result: a tune run that only reports what it found,
-    or a sweep job that ran as a process of its own (engine.tasks). Caught by engine.entry.run; a BaseException, so a
-    task's `except Exception` does not take it for a failure."""
+    """The run is over before its task's end, with `value` as its result (caught by engine.entry.run); a BaseException,
+    so a task's `except Exception` does not take it for a failure."""
 
     def __init__(self, value: object = None) -> None:
         super().__init__(value)
@@ -61,11 +59,8 @@ _in_a_run = False  # while engine.entry.run runs a task (run_log)
 
 
 def say(line: str, console: bool = True) -> None:
-    """The line that ends or stops a run, on stderr and, while a task runs (`run_log`), also in the run's log file
-    (`<run dir>/<task>.log`, Hydra's file handler) when that is still there: a run read later (nohup, a SLURM job, a
-    sweep's job) says how it ended. A run dir that a refused run leaves no trace of is not made again for it, and a
-    log file that cannot be written (the full disk the line may be about) leaves the line on stderr alone.
-    `console=False`, and in a rank that rank 0 watches (engine.launch.environment): the log file only."""
+    """The line that ends or stops a run, on stderr and, while a task runs, in the run's log file if still there (an
+    unwritable one is skipped). `console=False`, and in a rank that rank 0 watches: the log file only."""
     import logging
 
     from engine.launch.environment import watched_rank
@@ -132,9 +127,8 @@ def user_error_in_traceback(text: str) -> UserError | None:
 
 
 def disk_error_in(error: BaseException) -> UserError | None:
-    """A write that a full or read-only disk stopped (a logger's, a data set's), as the error or what caused it: one
-    line naming the file and the fix. Not an error raised while a disk error was handled (a bug's traceback stays),
-    and not one the template already said in its own words (a UserError: its checkpoint writes)."""
+    """A write a full or read-only disk stopped, as one line naming the file and the fix; None for an error raised
+    while one was handled (a bug's traceback stays) or one already said as a UserError."""
     for e in _chain(error, causes_only=True):
         if isinstance(e, UserError):
             return None
@@ -161,9 +155,8 @@ def missing_compile_backend_in(error: BaseException) -> UserError | None:
 
 
 def unused_parameters_in(error: BaseException, strategy: str = "ddp") -> UserError | None:
-    """DDP with a parameter that produced no gradient in a step (a layer forward does not call): Lightning says so
-    in a traceback on every rank, naming settings of its own API. One line, in the template's words; `strategy`:
-    the ddp flavour the run uses (ddp, ddp_spawn, ddp_fork), whose name the fix takes."""
+    """DDP with a parameter that got no gradient in a step, in one line instead of Lightning's traceback on every
+    rank; `strategy`: the run's ddp flavour (ddp, ddp_spawn, ddp_fork), which the fix names."""
     for e in _chain(error):
         if isinstance(e, RuntimeError) and "parameters that were not used in producing the loss" in str(e):
             return UserError(

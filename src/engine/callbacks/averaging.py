@@ -1,12 +1,6 @@
-"""Weight averaging (`callbacks=[default,ema]`, `[default,swa]`) on Lightning's WeightAveraging, with three fixes.
-
-- After `fit`, `trainer.test(ckpt_path=...)` on the same Trainer tested the raw weights, not the average (Lightning
-  2.6's on_load_checkpoint reloads `current_model_state` in any stage): here a test loads the average a checkpoint
-  holds in `state_dict`.
-- Before the average's first update (SWA's start_epoch, EMA's update_starting_at_step) Lightning validates, saves
-  and ends with its copy of the initial weights: here the trained weights, until there is an average.
-- A strategy that does not keep the whole model in each process (fsdp, pipe, pipeline) is refused in one line;
-  torch's AveragedModel would zip mismatched tensors without a word.
+"""Weight averaging (`callbacks=[default,ema]`, `[default,swa]`) on Lightning's WeightAveraging, with three fixes:
+a test loads the checkpoint's average (Lightning 2.6 reloads `current_model_state` in any stage), the trained weights
+stand in until the first update, and strategies that split the model are refused (AveragedModel would zip silently).
 """
 
 import logging
@@ -33,10 +27,8 @@ def _whole_model_in_each_process(strategy: Any) -> bool:
 
 
 class _Fixed(WeightAveraging):
-    """WeightAveraging, except: the average a checkpoint holds is what a test loads; a strategy that splits the
-    model is refused; and until the average's first update (EMA's update_starting_at_step, SWA's start_epoch)
-    validation, checkpoints and the model at the end use the trained weights, not the copy of the initial ones
-    Lightning would put in their place."""
+    """WeightAveraging with the module's three fixes; until the first update (EMA's update_starting_at_step, SWA's
+    start_epoch) the trained weights stand in, not Lightning's copy of the initial ones."""
 
     name = "weight averaging"
 
@@ -111,9 +103,8 @@ class EMA(_Fixed, EMAWeightAveraging):
 
 
 class EpochAveraging(_Fixed):
-    """SWA: the equal-weight average (WeightAveraging's default) of the weights at each epoch end from `start_epoch`
-    on. Lightning's older StochasticWeightAveraging callback swaps in a learning-rate schedule of its own and puts
-    the average into the model only when training ends, so no checkpoint and no test of the best one sees it."""
+    """SWA: the equal-weight average of the weights at each epoch end from `start_epoch` on; unlike Lightning's older
+    StochasticWeightAveraging, checkpoints and tests see the average."""
 
     name = "swa"
 
@@ -139,9 +130,8 @@ def check_callbacks(callbacks: list[Any]) -> None:
 
 
 def check_resume(ckpt_path: str, checkpoint: dict[str, Any], callbacks: list[Any]) -> None:
-    """A checkpoint saved with averaging holds the average as its weights: resumed without the callback, training
-    would go on from the average instead of the weights it left; resumed under another averaging, that one would go
-    on from the first one's state. Both silently."""
+    """A checkpoint saved with averaging holds the average as its weights: resumed without that callback, or under
+    another averaging, training would silently go on from the wrong weights."""
     if "current_model_state" not in checkpoint:
         return
     mine = [c for c in callbacks if isinstance(c, WeightAveraging)]

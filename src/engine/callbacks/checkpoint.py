@@ -1,24 +1,6 @@
-"""last.ckpt at the end of every epoch and, with `every_n_steps`, also within epochs: what resume continues.
-
-Lightning's ModelCheckpoint takes either epochs or steps, not both. A step save on an epoch's last batch
-comes before that epoch's validation, and a run resumed from it would skip the validation and the epoch-end
-hooks, so step saves leave that batch to the epoch-end save.
-
-Both checkpoint callbacks (the best by the monitored metric, and last.ckpt) hand their writes and the removal of a
-replaced best file to a writer thread while training goes on (engine.runs.atomic_io); the files are complete
-when the stage ends (the callbacks' teardown, before the loggers finish) and before any other save or load. Not
-when a logger uploads checkpoint files as they are saved (`log_model` of Lightning's MLflow, W&B or LitLogger;
-`log_model_checkpoints` of Neptune's): those read the file at once, so it is written before they hear of it.
-
-When an epoch's checkpoint is the best so far, the best file and last.ckpt are saved one right after the other and
-hold the same state, but for last.ckpt's own callback state as it was before its save (after the first epoch it
-names last.ckpt either way; what a resume reads of it). last.ckpt is then made from the best file (a hard link, or
-a copy where the filesystem has none) instead of collecting and serializing the state a second time (the MLP's pair
-holds the training thread 1.3 ms instead of 2.5, benchmarks/per_call.py, and Lightning's collection of the state,
-about 1 ms timed by hand, is saved too; a ResNet-18 save holds it 154 ms), and the on_save_checkpoint hooks run
-once. Only when nothing can run between the two saves: the best callback comes right before last.ckpt's in the
-callback list (as in conf/callbacks/checkpoints.yaml) and saved in the same hook call, with the same
-`save_weights_only`, to single local files.
+"""last.ckpt at every epoch end and, with `every_n_steps`, within epochs too (Lightning's takes one or the other).
+A step save leaves an epoch's last batch to the epoch-end save: a resume from it would skip that validation.
+Writes go to a thread (engine.runs.atomic_io); a best file saved just before last.ckpt becomes it by hard link.
 """
 
 import copy
@@ -60,9 +42,8 @@ class WrittenInBackground(ModelCheckpoint):
             super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
 
     def _monitor_candidates(self, trainer: L.Trainer) -> dict[str, Any]:
-        """Lightning's, with each logged metric cloned where Lightning deep-copies it: as independent of the metric's
-        own tensor (a later in-place change leaves it), at about an eighth of the cost for a classifier's eight
-        metrics (benchmarks/per_call.py). It runs before every save decision of both callbacks, twice an epoch."""
+        """Lightning's, with tensors cloned instead of deep-copied: as independent, at an eighth of the cost
+        (benchmarks/per_call.py)."""
         candidates = {
             key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
             for key, value in trainer.callback_metrics.items()

@@ -1,26 +1,6 @@
-"""What stops a run: a loss or a weight that is no longer finite, and a stop signal (SIGTERM, SIGINT, and SIGUSR1
-outside SLURM's requeue). Checked without a host sync or a collective per step.
-
-Each step adds its loss to a running sum on the device (not finite once any loss was not). Every `every_n_steps`
-optimizer steps, at every epoch's end, before a checkpoint save (unless they just agreed on the same weights and
-losses) and at the end of fit, the ranks agree in one collective on four numbers (the losses' sum, a check of the
-weights, a signal, the last loss), and that is the only host sync of these checks. So:
-- a run that diverged stops at the latest `every_n_steps` steps later, and never writes a checkpoint after it
-  diverged: the last checkpoint saved stays the last good one. It says where it went wrong (the steps since the
-  last agreement; the loss or the weights; the last finite loss), what to change, exits 2, and leaves
-  fit_metrics.json as valid JSON (`"status": "diverged"`). Non-finite gradients show up in the weights after the
-  step; with fp16 mixed precision the loss scaler skips such steps, and the weights stay finite.
-- a signal to any rank stops every rank at the same step, at the latest `every_n_steps` steps later: each saves
-  last.ckpt (a sharded checkpoint needs all of them), the metrics so far are written (`"status": "interrupted"`),
-  one line says where to continue from, and the process exits 128 + the signal's number (SIGTERM: 143). A signal
-  during validation, or found on an epoch's last batch, is honoured at the epoch's end, after its checkpoints
-  (also the last one's: the run stops before test); one during test (or between fit and test) stops the test
-  (test_metrics.json `"status": "interrupted"`).
-
-Lightning's own SIGTERM handler exits 0 (a scheduler reads a killed run as a success) and broadcasts from inside
-the handler, which hangs DDP when a rank other than 0 is signalled; here the handler only records the signal. Ours
-are installed at `setup` (so they are what Lightning puts back after each stage) and again at the start of each
-stage, over Lightning's.
+"""What stops a run: a non-finite loss or weight, or a signal (SIGTERM, SIGINT; SIGUSR1 outside SLURM's requeue),
+agreed in one collective every `every_n_steps` steps, with no host sync per step. Lightning's SIGTERM handler exits 0
+and broadcasts inside the handler (DDP hangs when rank != 0 is signalled); ours only records the signal.
 """
 
 import math
@@ -92,8 +72,6 @@ class RunChecks(L.Callback):
         self._trained = False
         self._test_batches = 0
 
-    # ------------------------------------------------------------ per step: one addition on the device
-
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
@@ -115,15 +93,11 @@ class RunChecks(L.Callback):
             finally:
                 self._in_step = False
 
-    # ------------------------------------------------------------ where the ranks agree
-
     def _agree(
         self, trainer: L.Trainer, pl_module: L.LightningModule, signals: bool, at_epoch_end: bool = False
     ) -> None:
-        """One collective of four numbers and one host sync (in one process, the sync alone): diverged anywhere (a
-        loss, a weight)? a signal anywhere? (and the last loss, for the report). Then act. `signals=False` (inside a
-        save): divergence only. `at_epoch_end`: a signal stops the run at the end of fit, after the epoch's
-        checkpoints, which Lightning saves after every other callback's epoch-end hook."""
+        """One collective of four numbers (loss sum, weights check, signal, last loss) and one host sync, then act.
+        `signals=False` (inside a save): divergence only; `at_epoch_end`: a signal stops fit after the epoch's saves."""
         if self._stopping:
             return
         device = trainer.strategy.root_device
@@ -132,9 +106,8 @@ class RunChecks(L.Callback):
         last = self._last.to(device) if self._last is not None else weights.new_zeros(())
         signum = float(self.signum if signals else 0)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # 1 where the losses' sum or the weights' norms are not finite (a max over the ranks of a NaN itself is
-            # not reliable), the signal, the last loss. Built on the device: a Python number written into a GPU
-            # tensor (found[2] = signum) is a blocking copy, a second host sync (seen on an H200 over NCCL).
+            # 1 where not finite (a max over the ranks of a NaN is not reliable). Built on the device: a Python number
+            # written into a GPU tensor is a blocking copy, a second host sync (seen on an H200 over NCCL).
             bad = torch.stack([losses, weights]).isfinite().logical_not().to(weights.dtype)
             found = torch.cat([bad, weights.new_full((1,), signum), last.reshape(1).to(weights.dtype)])
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
@@ -152,10 +125,8 @@ class RunChecks(L.Callback):
             self._last_finite = last_loss  # the largest over the ranks
         self._agreed_losses, self._agreed_versions = self._losses, _versions(pl_module)
         if signum_found and at_epoch_end:
-            # Every rank found it. last.ckpt is saved now, as at any stop: this is where a stop saved before, and the
-            # epoch's own saves may not come (no validation this epoch) or come after weight averaging has put the
-            # average into the model (at the end of fit). The epoch's checkpoints follow, then the fit ends (unless
-            # its min_epochs are not done: then the next agreement, within every_n_steps steps, stops it).
+            # last.ckpt now: the epoch's own saves may not come (no validation) or come after weight averaging swaps
+            # the average in. The epoch's checkpoints follow, then fit ends (unless min_epochs are not done).
             self._save_last(trainer)
             self._signalled, trainer.should_stop = (int(signum_found), trainer.current_epoch), True
         elif signum_found:
@@ -187,12 +158,9 @@ class RunChecks(L.Callback):
             self._stop(trainer, signum, epoch, saved=True)
         self._agree(trainer, pl_module, signals=True)
 
-    # ------------------------------------------------------------ what happens then
-
     def _end_diverged(self, trainer: L.Trainer, what: str) -> NoReturn:
-        """Every rank found it at once. Rank 0 records it (fit_metrics.json: rank 0 is where the metrics are, also in
-        a spawned worker) and raises it, to be said once; the other ranks say it in their own logs and end quietly,
-        as at a stop (a child's exit 2 could reach rank 0's watcher as a death before rank 0 had said it)."""
+        """Rank 0 records it (fit_metrics.json) and raises it, said once; other ranks log it and end quietly (a
+        child's exit 2 could reach rank 0's watcher as a death before rank 0 had said it)."""
         error = self._diverged(trainer, what)
         write_metrics(trainer, Path(trainer.default_root_dir) / "fit_metrics.json", status="diverged")
         if trainer.is_global_zero:
@@ -225,9 +193,8 @@ class RunChecks(L.Callback):
         # Before Lightning registers its own handlers for the stage: these are what it puts back after each stage,
         # so a signal between fit and test is recorded too.
         self._install(trainer)
-        # Lightning's SIGTERM handler, registered after the set-up, broadcasts from inside the handler, on the rank
-        # that got the signal alone: a collective no other rank makes (a hang, or gloo's abort). Ours replace it as
-        # soon as it is registered, not at the next hook.
+        # Lightning's SIGTERM handler broadcasts from inside the handler, on the signalled rank alone (a hang, or
+        # gloo's abort): ours replace it as soon as it is registered, not at the next hook.
         connector = trainer._signal_connector
         if "register_signal_handlers" not in connector.__dict__:
             lightnings = connector.register_signal_handlers
@@ -253,8 +220,6 @@ class RunChecks(L.Callback):
         self._install(trainer)
 
     on_sanity_check_start = on_validation_start
-
-    # ------------------------------------------------------------ test: nothing to save, the test stops
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
@@ -289,9 +254,8 @@ class RunChecks(L.Callback):
             raise SystemExit(self._exit_code(trainer, 128 + int(signum)))
 
     def _exit_code(self, trainer: L.Trainer, code: int) -> int:
-        # Ranks that Lightning's launcher started on a node end quietly: rank 0 reports the stop, and a child's
-        # non-zero exit would make the launcher kill rank 0 before it has finished saving. A node's first process
-        # (local rank 0: a node started by hand with NODE_RANK) is the user's command, and exits as one.
+        # Children of Lightning's launcher end quietly: a non-zero exit would make it kill rank 0 mid-save. A node's
+        # first process (local rank 0, started by hand with NODE_RANK) is the user's command, and exits as one.
         child = trainer.local_rank != 0 and type(_environment(trainer)).__name__ == "LightningEnvironment"
         return 0 if child else code
 
@@ -328,10 +292,8 @@ class RunChecks(L.Callback):
 
 
 def _log_the_step_cut_short(trainer: L.Trainer) -> None:
-    """A stop inside a training step's end hooks (and only there: elsewhere no step's values are waiting) comes
-    before Lightning hands that step's logged values to the loggers: handed over here, with last.ckpt after them, the
-    stopped step's `train/loss_step` is in TensorBoard as every earlier one is (a resume starts at the next step,
-    and would never log it)."""
+    """A stop inside a step's end hooks comes before Lightning hands that step's logged values to the loggers: handed
+    over here, or the stopped step's `train/loss_step` is never logged (a resume starts at the next step)."""
     trainer._logger_connector.on_batch_end()
     trainer._logger_connector.update_train_step_metrics()
 

@@ -1,12 +1,6 @@
-"""What Lightning's hook dispatch costs when nothing listens, and how a run avoids paying it.
-
-Lightning calls every callback hook on every callback (`lightning.pytorch.trainer.call._call_callback_hooks`),
-whether the callback overrides it or not, and wraps each call in `trainer.profiler.profile(...)` with the
-callback's `state_key` formatted into the action name (for ModelCheckpoint a repr of its settings). With the
-default 10 callbacks that is about 10 hooks a training step times 10 callbacks, a few microseconds each: on the
-MLP's 1 ms steps several percent of the step loop (benchmarks/step_loop.py). Lightning skips a hook whose
-attribute is not callable, so the per-batch hooks a callback does not override are set to None on the instance;
-the profiler, when none was asked for, enters one shared no-op context instead of building a generator per call.
+"""Lightning calls every callback hook on every callback, each wrapped in a profiler action named from its
+`state_key`: a few percent of the MLP's 1 ms steps (benchmarks/step_loop.py). Lightning skips a hook that is not
+callable, so unused per-batch hooks become None on the instance, and no profiler asked for means one shared no-op.
 """
 
 from contextlib import nullcontext
@@ -43,9 +37,8 @@ class QuietProfiler(PassThroughProfiler):
 
 
 def skip_unused_hooks(callbacks: list[Any]) -> None:
-    """Per callback, the per-batch hooks its class leaves as Callback's no-ops become None on the instance, which
-    Lightning's dispatch skips. A hook the class (or a parent of it) overrides, or the instance set itself, is
-    untouched; a callback without an instance dict (`__slots__`) is left as it is."""
+    """Per-batch hooks a callback's class leaves as Callback's no-ops become None on the instance, which Lightning
+    skips; overridden hooks, and callbacks without an instance dict (`__slots__`), are left as they are."""
     for callback in callbacks:
         own = getattr(callback, "__dict__", None)
         if own is None:

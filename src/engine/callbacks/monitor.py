@@ -1,12 +1,6 @@
-"""The one metric that judges a run (`monitor.metric`, `monitor.mode`): its best value so far, which `train` returns
-to sweepers and writes as `best/<metric>`, and one clear line when a callback watches a metric nobody logs.
-
-Lightning's own reports of a missing metric are a traceback from EarlyStopping and a list from ModelCheckpoint,
-each at its own moment. Here every watching callback (checkpoints, early stopping, Optuna pruning, this one) is
-checked at the moment that callback itself would look, first: this callback runs before them (the training task
-puts it first). An epoch that ran no step and no validation (a run resumed at an epoch's end) is not checked:
-nothing was logged in it, and early stopping is configured not to insist either (`strict: false`). The best
-value is read once per validation, never per step.
+"""The one metric that judges a run (`monitor.metric`, `monitor.mode`): its best value, which `train` returns to
+sweepers and writes as `best/<metric>`, and one clear line when a callback watches a metric nobody logs (Lightning's
+own are an EarlyStopping traceback and a ModelCheckpoint list); it runs first, so it checks before they look.
 """
 
 import math

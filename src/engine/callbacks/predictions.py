@@ -1,12 +1,6 @@
-"""What `predict_step` returns, one entry per input in input order, written once by rank 0 whatever the strategy:
-predictions.pt always (`names` and `outputs`), and where each output is a short row of numbers or a string,
-predictions.csv (and predictions.parquet where pyarrow is installed).
-
-Inputs are named where their batches say it: a batch that is a dict with a "name" entry (a list of strings: a file
-name, a row of a CSV, a prompt), as the template's data modules and predict.py's images give them. Under ddp each
-rank predicts its own shard (Lightning's DistributedSampler pads the last shard by repeating inputs); Lightning
-hands this writer each batch's indices into the data set, every rank's are gathered on rank 0, which drops the
-repeats and puts the outputs in order.
+"""What `predict_step` returns, one entry per input in input order, written once by rank 0 whatever the strategy.
+Under ddp, Lightning's DistributedSampler pads the last shard by repeating inputs: every rank's batch indices are
+gathered on rank 0, which drops the repeats and puts the outputs in order.
 """
 
 import csv
@@ -36,9 +30,8 @@ def _probabilities(rows: Tensor) -> bool:
 
 
 def columns(outputs: Any, classes: Sequence[str] | None) -> tuple[list[str], list[list[Any]]] | None:
-    """The table's header and its cells, or None when the outputs are not one short row per input: numbers (a
-    classifier, its class names known, gets `predicted` and `prob_<class>`, or `score_<class>` when the rows are not
-    probabilities) or strings (text a model wrote)."""
+    """The table's header and cells, or None when the outputs are not one short row per input (numbers or strings);
+    a classifier with known class names gets `predicted` and `prob_<class>` (`score_<class>` if not probabilities)."""
     if isinstance(outputs, list) and all(isinstance(o, str) for o in outputs):
         return ["output"], [[o] for o in outputs]
     if not isinstance(outputs, Tensor) or outputs.dim() not in (1, 2) or outputs.dtype == torch.bool:

@@ -1,10 +1,5 @@
-"""Lightning's rich progress bar, whose training bar takes the batch count and the logged values at most
-`refresh_rate` times a second (and at an epoch's last batch).
-
-`refresh_rate` is Lightning's: how many times a second the rich display redraws. Lightning's bar also takes the count
-and reads every logged progress-bar value back at every training batch, whatever that rate, a cost that shows on the
-millisecond steps of a small net (more so on a GPU, where the rest of such a step costs the host less). Taken no more
-often than the display shows them, a fast step no longer pays for it, and a slow one is still shown at every batch.
+"""Lightning's rich progress bar, taking the batch count and logged values at most `refresh_rate` times a second
+(and at an epoch's last batch): Lightning's reads them back at every batch, a cost that shows on millisecond steps.
 """
 
 from time import monotonic

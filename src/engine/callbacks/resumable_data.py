@@ -1,19 +1,6 @@
-"""Any DataModule's training loader, made resumable mid-epoch and ordered alike on one device or many.
-
-A DataModule written the plain way returns `DataLoader(dataset, batch_size=..., shuffle=True)`. Lightning cannot
-resume such a loader mid-epoch (it warns, and a resumed run sees other batches), and under ddp or the pipeline it
-replaces the sampler with a DistributedSampler that always shuffles (shuffle=False is lost) and draws another order
-than one device's RandomSampler. Here, at setup, the DataModule's train_dataloader is answered with the same loader
-(dataset, batch size, workers, collate_fn, drop_last, ...) over engine.data.resumable's sampler: one permutation per
-epoch from the run's seed (or a seed drawn once and kept in the checkpoint under seed=null), cut into one shard per
-data-parallel process, shuffled or not as the user's loader was. So a run killed mid-epoch resumes at the next batch
-bit for bit, and ddp with a per-process batch of B/N takes the same samples per step as one device with B.
-
-Left as they are, with one line in the log: loaders with a sampler or batch sampler of their own, iterable data
-sets, loaders that keep their own state (state_dict), and loaders handed to `trainer.fit` directly rather than by
-a DataModule. torchdata's StatefulDataLoader would give the position but not the order: resumed at an epoch's end it
-yields an empty epoch, and resumed in a later epoch it replays the first epoch's permutation (its sampler iterator is
-built before Lightning sets the epoch).
+"""Any DataModule's training loader, made resumable mid-epoch and ordered alike on one device or many: Lightning
+cannot resume a plain shuffled loader mid-epoch, and under ddp its DistributedSampler draws another order (and
+ignores shuffle=False). torchdata's StatefulDataLoader gives the position but not the order (empty or replayed epochs).
 """
 
 import logging

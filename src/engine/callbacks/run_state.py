@@ -1,14 +1,6 @@
-"""What every checkpoint of this project carries beyond Lightning's: the run's resolved config and every rank's
-random-number state (one callback: each callback costs every step a few microseconds of Lightning's hook calls).
-
-The config, under its own key, is what rebuilds the model and its data later (eval.py, predict.py, export.py),
-whatever the LightningModule keeps as its own hyperparameters; plain containers only, so every checkpoint loads
-with torch.load(weights_only=True).
-
-Lightning's checkpoints hold no random state, so a resumed run draws other dropout masks (and, without a
-seeded order, another shuffle) than the run it continues. Saved per rank (ranks draw different masks); put
-back in `on_train_start`, the last hook before the first batch: anything earlier in the restore could still
-consume random numbers after it.
+"""What every checkpoint carries beyond Lightning's: the resolved run config (plain containers, so weights_only=True
+loads it) and every rank's random state, which Lightning's lack (a resume would draw other dropout masks). Restored
+in `on_train_start`, the last hook before the first batch; one callback, since each costs every step a few µs.
 """
 
 import random
@@ -27,8 +19,7 @@ def _capture(device: torch.device) -> dict[str, Any]:
     version, words, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        # Python's 625 words as one tensor, not a tuple of ints: pickled one by one, they were a third of the
-        # objects torch.save visits in every checkpoint
+        # Python's 625 words as one tensor: as a tuple of ints they were a third of the objects torch.save visits
         "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
         # numpy's own state holds an ndarray, which torch.load(weights_only=True) refuses: store it as a tensor
         "numpy": {
@@ -56,10 +47,8 @@ def _restore(state: dict[str, Any], device: torch.device) -> None:
 
 
 def seed_rank(rank: int) -> None:
-    """Each rank its own random stream (dropout masks, augmentations) derived from the run's seed and the rank.
-    Lightning re-seeds every rank with the same seed, so they all drew the same masks. Rank 0 keeps the run's own
-    stream (a one-process run is unchanged); the data order has its own generator (one shared permutation); the
-    model is built and wrapped before this (fit start), so replicas and shards start from the same weights."""
+    """Each rank its own random stream from the run's seed and the rank (Lightning gives all ranks one seed, so the
+    same masks); rank 0 keeps the run's own. Called after the model is built, so replicas start with equal weights."""
     import os
 
     seed = os.environ.get("PL_GLOBAL_SEED")

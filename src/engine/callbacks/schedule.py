@@ -1,9 +1,6 @@
 """`stretch_schedule=true`: a resumed run with more epochs continues on the cosine curve of the new length.
-
-A checkpoint restores its scheduler whole, length included: a cosine schedule started for 5 epochs ends at
-epoch 5 and, past it, climbs back up, so extra epochs never see the planned decay. Here the stored schedule
-gets the new length, and the learning rate moves to that curve's value at the current epoch (the value a run
-planned for the new length from the start would have now), from where torch's recursion follows the curve.
+A checkpoint restores its scheduler whole, length included, so extra epochs would climb back up the cosine; here the
+stored schedule gets the new length and the learning rate that curve's value at the current epoch.
 """
 
 import math

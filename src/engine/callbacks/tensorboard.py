@@ -1,18 +1,6 @@
-"""What a person opens TensorBoard for, beyond the scalars: which digits a classifier gets wrong, how the classes
-are confused, the net's graph, and (behind a switch) how weights and gradients are distributed.
-
-The sample grid and the confusion matrix are a classifier's: they are drawn from what its validation_step and
-test_step return, `{"preds": ..., "target": ...}` (ImageClassifier does): `val/...` each epoch, `test/...` for the
-test after a fit and for eval.py. A module of another task draws its own figures (the
-autoencoder logs its reconstructions); the log says once that these two are not drawn for it. Everything is
-written by rank 0 to the first TensorBoard logger; without one the callback does nothing.
-
-The sample grid and the confusion matrix come at most every `min_interval_s` seconds (10), counted from the start
-of the fit: TensorBoard shows 10 images of a tag and samples away the rest, and drawing and encoding the pair every
-epoch cost the MLP's 0.2 s epochs about 18 ms each (benchmarks/step_loop.py's template with and without them, before
-this limit), so they cost a fit at most that every 10 s. Epochs longer than that get theirs every epoch. The last
-epoch's always come (drawn at the end of the fit, also one that an error or a signal stops), so the run's final state
-is there, and a fit shorter than 10 s gets only those. Their step is the one of the epoch's validation scalars.
+"""What a person opens TensorBoard for beyond the scalars: a classifier's sample grid and confusion matrix, the graph,
+and (behind a switch) histograms. Figures come at most every `min_interval_s` (TensorBoard keeps 10 images a tag, and
+drawing each epoch cost the MLP's 0.2 s epochs 18 ms, benchmarks/step_loop.py), the last epoch's always.
 """
 
 import logging
@@ -46,10 +34,8 @@ def _padded(matrix: Tensor, classes: int) -> Tensor:
 
 
 def _graph(net: torch.nn.Module, example: Tensor) -> tuple[Any, Any]:
-    """What SummaryWriter.add_graph writes, traced once and in eval mode. add_graph traces with torch.jit.trace's
-    check_trace: two more traces, compared; a run's first step drew LeNet's graph in 48 ms that way and in 22 ms
-    here, ResNet-18's in 352 and 143 ms (benchmarks/graph.py). A graph that is only drawn needs no check. Each
-    submodule gets its own mode back (a part the user keeps in eval stays so)."""
+    """What SummaryWriter.add_graph writes, traced once in eval mode without its check_trace's two extra traces
+    (ResNet-18: 352 -> 143 ms, benchmarks/graph.py); each submodule gets its own mode back."""
     from torch.utils.tensorboard import _pytorch_graph as pytorch_graph
 
     modes = [(module, module.training) for module in net.modules()]
@@ -74,10 +60,8 @@ def _one_process(trainer: L.Trainer) -> bool:
 
 
 class TensorBoardInsights(L.Callback):
-    """`images`: a grid of validation (and test) digits with predicted and true labels; `confusion_matrix`: the
-    validation epoch's (and the test's); `graph`: the net's graph, once (one-process strategies); `histograms`:
-    weights and gradients (off by default: they grow the event files); each every `every_n_epochs`, the images at most
-    every `min_interval_s` seconds of the fit but always for the last epoch (the module docstring)."""
+    """Sample grid, confusion matrix, graph (once, one-process strategies) and histograms (off: they grow the event
+    files), each every `every_n_epochs`; figures at most every `min_interval_s` seconds, always for the last epoch."""
 
     def __init__(
         self,
@@ -201,9 +185,8 @@ class TensorBoardInsights(L.Callback):
             return None
         if matrix is not None and not bool(matrix.any()):
             matrix = None  # no rank counted anything (a test_step that returns no predictions): no empty figure
-        # The drawing thread gets numpy arrays and lists only: a torch op in a second thread would start a second
-        # OpenMP thread team, and with more OpenMP threads than cores libgomp stops spinning, which made every
-        # later training step of the process up to 3x slower on 2 cores (benchmarks/step_loop.py).
+        # The drawing thread gets numpy and lists only: a torch op there starts a second OpenMP team, which made later
+        # training steps up to 3x slower on 2 cores (benchmarks/step_loop.py).
         step, grid = trainer.fit_loop.epoch_loop._batches_that_stepped, None  # that of the epoch's scalars
         counts = matrix.cpu().numpy() if matrix is not None else None
         if self._grid is not None:

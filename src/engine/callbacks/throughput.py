@@ -1,21 +1,6 @@
-"""Lightning's ThroughputMonitor, told how to count the samples of any batch this template's data gives, and the
-FLOPs of any model.
-
-Lightning reports FLOPs and MFU only for a LightningModule with a `flops_per_batch` attribute, which users rarely
-write, and uses that one number for every stage, so a validation batch (no backward) counts a training batch's
-FLOPs. Here, unless the module has its own, the first batch of each stage is counted with torch's FlopCounterMode
-(matrix products, convolutions, attention: the operations that dominate, as
-`lightning.fabric.utilities.throughput.measure_flops` counts them), on rank 0: training's forward, loss and backward,
-validation's and test's forward; each stage's batches then count their own. It counts what this process's thread
-runs: dp's replicas and pipe's stages run in threads of their own, and pipeline's stages in other processes, so there
-it is refused, and the module's own number is the way.
-
-The rates for all ranks together (`train/samples_per_sec`, ...) are the device's times the processes that each load
-their own batches (Lightning multiplies by every process, which pipeline's stages are not).
-
-MFU divides by the device's peak from Lightning's table (the datasheets' figures). Lightning 2.6 does not recognise
-an H200 by the name CUDA gives it ("NVIDIA H200"; it looks for "sxm1" or "nvl1"), so that name is looked up here in
-its table; `peak_flops` sets the peak for any other device, or a different figure (a dense rather than sparse peak).
+"""Lightning's ThroughputMonitor, counting any batch's samples and, with torch's FlopCounterMode on each stage's first
+batch, the FLOPs Lightning takes only from a module's `flops_per_batch` (one number for every stage). Lightning 2.6's
+peak table misses an H200 by CUDA's name ("NVIDIA H200"; it looks for "sxm1" or "nvl1"), so it is looked up here.
 """
 
 import logging
@@ -45,10 +30,8 @@ def samples_in(batch: Any) -> int:
 
 
 class ThroughputMonitor(_ThroughputMonitor):
-    """`batch_size_fn` filled in (a config cannot pass a function); the options spelled out, so a mistyped one is
-    refused by name at start (Lightning's take **kwargs). `count_flops`: count each stage's first batch when the
-    module has no `flops_per_batch` of its own; `peak_flops`: one device's peak FLOP/s for MFU, in place of
-    Lightning's table (the module docstring)."""
+    """`batch_size_fn` filled in, options spelled out so a mistyped one is refused by name (Lightning's take **kwargs).
+    `count_flops`: when the module has no `flops_per_batch`; `peak_flops`: one device's FLOP/s for MFU."""
 
     def __init__(
         self, window_size: int = 10, separator: str = "/", count_flops: bool = True, peak_flops: float | None = None

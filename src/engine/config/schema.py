@@ -1,9 +1,6 @@
-"""Typed top level of train.yaml, eval.yaml, predict.yaml and export.yaml: Hydra rejects unknown keys and
-wrong types at compose time.
-
-The groups (data, model, trainer, ...) are typed by their `_target_`; engine.build checks their keys and
-values against the target's signature before anything is built. What a type cannot say (a seed's range,
-a required key left out) is checked by `check_config`, first thing in every task.
+"""Typed top level of train.yaml, eval.yaml, predict.yaml and export.yaml: Hydra rejects unknown keys and wrong types
+at compose time. Groups are typed by their `_target_` (engine.build checks them); what a type cannot say is
+checked by `check_config`, first thing in every task.
 """
 
 import os
@@ -143,9 +140,8 @@ def register_schemas() -> None:
 
 
 def check_keys(cfg: DictConfig, where: str = "") -> None:
-    """Reject keys a typed node does not declare.
-
-    Hydra's `+key=value` adds them past the schema, yet no code would read them."""
+    """Reject keys a typed node does not declare: Hydra's `+key=value` adds them past the schema, yet no code reads
+    them."""
     schema = OmegaConf.get_type(cfg)
     if not is_dataclass(schema):
         return
@@ -180,9 +176,8 @@ def _strings(node: Any, path: str = "") -> list[tuple[str, str]]:
 
 
 def check_files(cfg: DictConfig) -> None:
-    """A path in the config that names something other than a regular file or a folder (a FIFO, a device, a socket)
-    is refused before anything opens it: reading one waits for a writer that may never come (a FIFO given to
-    predict.py's input= hung it). Every path of every group alike, the data's and the user's own keys included."""
+    """A config path naming something other than a regular file or folder (a FIFO, a device, a socket) is refused
+    before anything opens it: reading one waits for a writer that may never come (a FIFO hung predict.py)."""
     for key, value in _strings(cfg):
         if not value or len(value) > 4096 or "\0" in value:
             continue

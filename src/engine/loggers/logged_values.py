@@ -1,13 +1,6 @@
-"""What a `self.log` call costs, and the part of it a run skips.
-
-Lightning keeps each logged value in a result object (`_ResultMetric`, a torchmetrics Metric) and, on every
-`self.log` call, moves that object to the value's device: `_ResultMetric.to` rebuilds its whole `__dict__` through
-`apply_to_collection`, and for a logged Metric runs `Module.to` over it: most of a `self.log` call (168 µs of
-Lightning's logging a call, 21-24 µs without the move: benchmarks/per_call.py), also when everything is already there,
-which after the first call of a run it always is. `skip_needless_moves` makes the move return at once when every
-tensor and metric the object holds (directly or in one of its dicts, such as the state defaults) is already on that
-device; any other call is Lightning's own. It is installed when the Trainer is built (engine.build.trainer), for
-the template's module and a user's alike.
+"""Lightning moves each `self.log` result object to the value's device on every call, rebuilding its `__dict__`: most
+of the call's cost (168 µs vs 21-24 µs, benchmarks/per_call.py), though after the first call it is always there.
+`skip_needless_moves` returns at once when everything it holds is already on that device.
 """
 
 from typing import Any

@@ -1,26 +1,6 @@
-"""MLflow without a server: runs in a sqlite file under logs/, artifacts in a folder beside it.
-
-Lightning's MLFlowLogger, with what it leaves out here: params are the whole resolved config under dotted keys
-(`model.optimizer.lr`) and the config groups chosen (`model=lenet`); the best checkpoint is an artifact at the
-end of fit; a resumed run continues its MLflow run (the id is kept in the run dir, engine.loggers.tracking);
-each job of a sweep is a child of one parent run of the sweep (engine.sweeps.mlflow_runs). mlflow is imported
-only when a run starts (it costs about a second).
-
-A tracker holds a copy: what a run measures is in its own dir (checkpoints, fit_metrics.json, test_metrics.json,
-its log), written whatever the tracker does. So a tracker that fails stops a run only before it trains:
-- at start, a store or server that cannot be used (no answer, another format, a full disk, a run deleted from it)
-  refuses the run in one line, exit 2, and a store this run had just created is removed again;
-- mid-run, MLflow's writes are made in order by a thread of their own (_Writer): training never waits on the
-  network or on the store's disk. The first write that fails (a server that died or stopped answering, a full
-  disk under the store) is said in one `warning:` line, MLflow gets nothing more from this run, and the run goes
-  on and ends as it would have: its files, its exit code, the command to continue it after a stop. Every request
-  gives up within about 27 s (engine.sweeps.mlflow_runs.REQUEST_LIMITS); the end of a fit waits for the writes
-  still queued until they are made or one fails, and a stop (SIGTERM, SIGINT) waits a few seconds at most.
-- a metric name MLflow would refuse (over 250 characters, not a clean path: `a//b`) or merge with another (it
-  drops characters: `acc%` and `acc` would be one metric) ends the run at its first log, in one line naming them:
-  a mistake in the code that logs it, which only grows with every step logged.
-- an artifact is never written over: a best checkpoint whose name the MLflow run holds already (a run resumed
-  twice from one checkpoint trains the same epochs again) goes under `checkpoints/<this run dir's name>/`.
+"""MLflow without a server: runs in a sqlite file under logs/, artifacts beside it (mlflow imported at run start: ~1 s).
+A tracker holds a copy of what the run dir has, so a failing one refuses a run only at start; mid-run, writes go
+through a thread (_Writer), and the first failure is one `warning:` line after which MLflow gets nothing more.
 """
 
 import contextlib
@@ -167,9 +147,8 @@ class _Writer:
                     self._idle.notify_all()
 
     def wait(self, limit: float | None) -> bool:
-        """Until every write queued is made, or dropped after a failure (each request gives up on its own: see
-        REQUEST_LIMITS), at most `limit` seconds, and not past a SIGTERM or SIGINT. Then, if it is idle, the thread
-        ends (a sweep's jobs in one process would leave one each); the next write starts another. True: all done."""
+        """Until every queued write is made or dropped, at most `limit` seconds, never past a SIGTERM or SIGINT; then
+        an idle thread ends (the next write starts another). True: all done."""
         deadline = None if limit is None else time.monotonic() + limit
         with _until_a_signal() as signalled, self._idle:
             while self._pending and not signalled.is_set():
@@ -186,11 +165,8 @@ class _Writer:
 
 
 class MLFlowLogger(LightningMLFlowLogger):
-    """Lightning's MLFlowLogger for a local store, continuing the run of a resumed checkpoint.
-
-    `run_dir` keeps the run's id (trackers.json); `resume_from` is the checkpoint a resumed run trains on from,
-    whose run dir names the MLflow run to continue when `resume`; `run_id` names one outright.
-    """
+    """Lightning's MLFlowLogger for a local store, continuing a resumed checkpoint's run: `run_dir` keeps the id,
+    `resume_from`'s run dir names the run to continue when `resume`; `run_id` names one outright."""
 
     def __init__(
         self,
@@ -310,10 +286,8 @@ class MLFlowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
-        """The run config under dotted keys, and (once) the config groups chosen. A key already in the run with
-        another value (a resumed run with more epochs, the module's own hyperparameters) keeps its first value
-        as the param; the new one is the tag `changed.<key>`. The first call comes before training (train.py)
-        and is made at once: a store that cannot take it refuses the run; later ones go to the writer."""
+        """The run config under dotted keys and (once) the groups chosen; a changed value becomes tag `changed.<key>`.
+        The first call is made at once, so a store that cannot take it refuses the run; later ones go to the writer."""
         from lightning.fabric.utilities.logger import _convert_params
         from mlflow.entities import Param, RunTag
         from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH
@@ -410,9 +384,8 @@ class MLFlowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
-        """At the end of each stage (fit, test) or a stop: the best checkpoints (after a fit), the run's status,
-        and a wait for the writes still queued: until they are made or one fails after a stage (each request is
-        bounded), STOP_WAIT_S at most after a stop or an error, and never past a signal."""
+        """At each stage's end or a stop: best checkpoints (after a fit), the run's status, and a wait for queued
+        writes (STOP_WAIT_S at most after a stop or an error, never past a signal)."""
         if not self._initialized:
             return
         client, run_id = self._mlflow_client, str(self._run_id)
@@ -424,9 +397,8 @@ class MLFlowLogger(LightningMLFlowLogger):
         self.writes.wait(None if status == "success" else STOP_WAIT_S)
 
     def _log_best_checkpoints(self, paths: list[Path]) -> None:
-        """In the writer's thread: each best checkpoint in the run's artifacts (once per new best), under
-        `checkpoints/` or a folder of this run dir's own (`_folder_for`), and the tag `best_checkpoint` naming it;
-        a resumed run that finds a better one adds it."""
+        """In the writer's thread: each new best checkpoint as an artifact (in `_folder_for`'s folder), and the tag
+        `best_checkpoint` naming it."""
         client, run_id = self._mlflow_client, str(self._run_id)
         for path in paths:
             if not path.is_file() or self._logged_best.get(str(path)) == path.stat().st_mtime:
@@ -437,9 +409,8 @@ class MLFlowLogger(LightningMLFlowLogger):
             self._logged_best[str(path)] = path.stat().st_mtime
 
     def _folder_for(self, name: str) -> str:
-        """`checkpoints`, unless the MLflow run holds a file `name` there already (an earlier part of it logged that
-        epoch: a run resumed twice from one checkpoint trains the same epochs again); then `checkpoints/<this run
-        dir's name>` (`-2`, `-3`, ... after it if that is taken too). No artifact is ever written over."""
+        """`checkpoints`, or `checkpoints/<run dir name>` (then `-2`, `-3`, ...) when the MLflow run holds `name` there
+        already (a run resumed twice from one checkpoint): no artifact is ever written over."""
         own = f"checkpoints/{Path(self._run_dir).name}"
         for folder in ("checkpoints", own, *(f"{own}-{n}" for n in range(2, 1000))):
             if name not in {Path(f.path).name for f in self._mlflow_client.list_artifacts(str(self._run_id), folder)}:

@@ -1,9 +1,5 @@
-"""`make tensorboard-shots`: headless-Chromium screenshots of TensorBoard's scalars, HParams and images pages.
-
-`python -m engine.loggers.screenshots [logs dir] [run dir]` starts the real TensorBoard server on a free
-loopback port against the logs, loads each page in Chromium (Debian's `chromium` package; this installs
-nothing) and writes tensorboard_<page>.png into the run dir (by default the newest run). A quick look at
-what a run shows without opening a browser, for example on a cluster's login node.
+"""`make tensorboard-shots`: headless-Chromium screenshots of TensorBoard's scalars, HParams and images pages, for a
+quick look at a run without a browser (a cluster's login node). Uses Debian's `chromium`; installs nothing.
 """
 
 import shutil

@@ -1,13 +1,6 @@
-"""TensorBoard with an HParams tab a person can read: the settings people vary, and the real final metrics.
-
-Lightning's logger lists every key of the run config (76 here, paths and callback settings first) and writes
-`hp_metric = -1` whenever the hyper-parameters are logged again (by `trainer.test`), which is the value
-TensorBoard then shows. Here the HParams summary is written once per run: the config groups chosen
-(`model=mlp`), a short list of values (learning rate, batch size, seed, devices, ...) and whatever the command
-line overrode. Only the run's own session is written, not an experiment that declares its metrics: TensorBoard
-then shows every scalar of every run as a metric (a classifier's val/acc, a regression's val/mse) and the hyper-
-parameters of all runs together; an experiment declared by one run would stand for all of them (TensorBoard takes
-the first it finds), with that run's metric names and settings alone.
+"""TensorBoard with a readable HParams tab: Lightning's lists every config key (76 here) and rewrites `hp_metric = -1`
+at `trainer.test`. Here the summary is written once: groups chosen, a few key values, the command line's overrides.
+Only the run's own session, no declared experiment: TensorBoard takes the first it finds as every run's.
 """
 
 import os
@@ -71,11 +64,8 @@ def masked_crc32c(data: bytes) -> int:
 
 
 def use_fast_checksums() -> None:
-    """TensorBoard without TensorFlow checksums every event record with a pure-Python CRC-32C: about 7 ms for the
-    60 KB sample grid, in the writer's thread but holding the GIL, so the training thread waited about 11 ms an
-    epoch for the two images (benchmarks/figures.py). The same values in C take microseconds. Readers (TensorBoard
-    itself) still check every record with their own implementation. Where google-crc32c has no C build for the
-    platform, TensorBoard's own function is kept (the same values, slower)."""
+    """google-crc32c's C checksum for event records: TensorBoard without TensorFlow uses pure Python, holding the GIL
+    ~11 ms an epoch (benchmarks/figures.py). Without a C build, TensorBoard's own function stays."""
     import google_crc32c
     from tensorboard.summary.writer import record_writer
 
@@ -84,10 +74,8 @@ def use_fast_checksums() -> None:
 
 
 def leave_writer_disk_errors_to_the_run() -> None:
-    """A write that a full or read-only disk stops in TensorBoard's event-writer thread is kept by the writer and
-    raised again at the training thread's next write, where the run ends with one line naming the file
-    (engine.errors.disk_error_in); the thread's own traceback, printed first, is left out. Other errors, and
-    other threads', are printed as before."""
+    """A disk-full or read-only error in TensorBoard's writer thread is raised again at the next write, ending the run
+    in one line (engine.errors.disk_error_in): the thread's own traceback is left out; other errors print as before."""
     import threading
 
     from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
@@ -169,11 +157,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Lightning's, with every scalar of a call in one event: Lightning writes an event per scalar (a summary,
-        an event, its serialization and a record each), about twice the time of one event a call for an epoch's
-        four validation scalars (benchmarks/per_call.py); a classifier's epoch logs about twenty. The event is held
-        (`_hold`). TensorBoard reads the same tags, steps and values. A dict is still a run of its own per key
-        (`add_scalars`, after the call's scalars), and a call with a scalar that is not a number writes nothing."""
+        """Lightning's, with a call's scalars in one held event (`_hold`) instead of one each: half the time
+        (benchmarks/per_call.py). A dict is still a run per key; a non-number scalar makes the call write nothing."""
         from lightning.fabric.utilities.logger import _add_prefix
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch import Tensor
@@ -199,10 +184,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
             self.experiment.add_scalars(key, values, step)
 
     def _hold(self, summary: Any, step: int | None) -> None:
-        """A call's event, kept until the first call `flush_secs` after the oldest one kept (or a checkpoint, or
-        the end): each event handed to TensorBoard's writer thread wakes it, and the training thread then waits
-        for the GIL while it writes (benchmarks/per_call.py: a call of four scalars holds the training thread 19 µs
-        held, 54 µs handed over at once)."""
+        """Kept until a call `flush_secs` after the oldest kept (or a checkpoint, or the end): each event handed over
+        wakes the writer thread, which then holds the GIL (19 vs 54 µs a call, benchmarks/per_call.py)."""
         now = time.monotonic()
         self._held.append((summary, step, time.time()))
         if self._held_since is None:
@@ -222,12 +205,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
     @rank_zero_only
     def save(self) -> None:
-        """Lightning calls this after every `log_metrics` (every `log_every_n_steps` and at each epoch's end): it
-        waited for the event writer's queue to drain and looked for hparams.yaml on disk each time, 5-8 ms an epoch
-        on the MLP of benchmarks/step_loop.py. Here hparams.yaml is written once, as Lightning would (only when
-        missing). The scalars reach the writer's thread in batches (`_hold`): after every checkpoint, whose save
-        also drains its queue (a run killed after one has its scalars up to it), at the first call `flush_secs`
-        after the oldest one held, and at the end of each stage, also a failed one."""
+        """Called after every `log_metrics`, Lightning's drained the writer and looked for hparams.yaml each time
+        (5-8 ms an epoch, benchmarks/step_loop.py): here hparams.yaml is written once; scalars go in batches."""
         if not self._hparams_file_written:
             super().save()
             self._hparams_file_written = self._fs.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE))

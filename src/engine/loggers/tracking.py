@@ -1,10 +1,6 @@
-"""What the experiment trackers (MLflow, W&B) share: the tracker run's ids kept in the run dir, so that a resumed
-run continues it; its name; the config groups chosen; the sweep it belongs to; the package it needs.
-
-`<run>/trackers.json` holds `{"mlflow": {"run_id": ..., ...}, "wandb": {"id": ..., ...}}`. A run resumed with
-`ckpt_path=<run>/checkpoints/last.ckpt` gets a new run dir but reads the ids of `<run>`; a requeued job (SLURM,
-submitit, torchelastic) runs again in its own dir and reads its own. A sweep dir holds the sweep's parent run the
-same way. Imports nothing heavy: the config check imports the loggers' modules.
+"""What the experiment trackers (MLflow, W&B) share: the tracker run's ids kept in `<run>/trackers.json`, so a resumed
+run (new run dir, reading `<run>`'s) or a requeued job (its own dir) continues it; its name, groups, sweep and package.
+Imports nothing heavy: the config check imports the loggers' modules.
 """
 
 import contextlib
@@ -39,9 +35,8 @@ def one_line(error: BaseException, limit: int = 300) -> str:
 
 
 def readable(text: str) -> str:
-    """`text` as one line a person reads: SQLAlchemy's statement, parameters and link (`[SQL: INSERT ...]`, which
-    MLflow and Optuna pass on in their own errors) left out, an HTML page (a web server's 404 where an API was
-    expected) reduced to the words it shows, whitespace collapsed."""
+    """`text` as one readable line: SQLAlchemy's `[SQL: ...]` tail (passed on by MLflow and Optuna) dropped, an HTML
+    page (a web server's 404) reduced to its words, whitespace collapsed."""
     text = re.split(r"\s*\[SQL: ", text, maxsplit=1)[0]  # the statement, then its parameters: the rest of the text
     text = re.sub(r"\s*\(Background on this error at: [^)]*\)", "", text)
     text = re.sub(r"\(raised as a result of Query-invoked autoflush;[^)]*\)\s*", "", text)  # when, not what
@@ -148,10 +143,8 @@ def continued(tracker: str, run_dir: str, resume_from: str | None, resume: bool)
 
 @contextlib.contextmanager
 def locked(path: str | Path) -> Iterator[None]:
-    """An exclusive lock on `path` between processes: parallel sweep jobs that would each create the sweep's parent
-    run, or each create the tables of a new MLflow database. The file exists while it is held, and is removed by its
-    holder before the lock is let go; one that went away while this process waited for it is opened again (the
-    same file for everyone who holds the lock, and no lock file left behind)."""
+    """An exclusive lock on `path` between processes (parallel sweep jobs creating one parent run or MLflow database);
+    the holder removes the file before letting go, so none is left behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:

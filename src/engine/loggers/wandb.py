@@ -1,11 +1,6 @@
-"""Weights & Biases offline: the run is written under the run dir, no account needed; `wandb sync` uploads it later.
-
-Lightning's WandbLogger, with a resumed run continuing its W&B run (the same id, kept in the run dir:
-engine.loggers.tracking) and each sweep job a run of its own: Lightning would log a second job that runs in the
-same process (Hydra's basic launcher, a reused joblib worker) into the first job's still open run. The run is
-ended when the process ends: W&B ends open runs at exit only from a service the process started itself, and a
-service shared between processes (`WANDB_SERVICE`, from `wandb beta core start` or a parent process that used W&B)
-would keep it open, so that resuming it failed with "run ID ... is in use".
+"""Weights & Biases offline under the run dir (`wandb sync` uploads it later), each sweep job its own run (Lightning
+would log a second in-process job into the first's open run). The run ends with the process: a shared W&B service
+(`WANDB_SERVICE`) would keep it open, and resuming it failed with "run ID ... is in use".
 """
 
 import atexit

@@ -1,26 +1,6 @@
-"""Checkpoints written so that a kill during a save never leaves a torn file where a good one was.
-
-Lightning writes a single-file checkpoint to a temporary file in $TMPDIR and moves it into place, without fsync:
-when /tmp is another filesystem the move is a copy that a kill can cut, and after a power loss the renamed file may
-be empty. Here the temporary file sits in the checkpoint's own directory (hidden, not `*.ckpt`, so no glob takes it
-for a checkpoint), is fsynced, renamed over the old one, and the directory is fsynced. Sharded checkpoints are
-swapped in whole: engine.strategies.fsdp. A write that fails (a full or read-only disk) leaves the previous
-checkpoint as it was and ends the run in one line.
-
-The checkpoint callbacks' saves, and their removals of a replaced best file, are written in the background
-(`AtomicCheckpointIO.in_background`, used by engine.callbacks.checkpoint): the checkpoint is serialized on the
-training thread (a snapshot: the next steps change the weights), and a writer thread writes, fsyncs and renames it
-while training goes on. At most two checkpoints wait in memory: a background save first waits for the writes
-before the newest one, so an epoch's last.ckpt is serialized while its best file is still being written. Every
-other save, removal, load and the end of the stage (teardown) first waits for the writer, so files change in the
-order they were saved, and a failed write ends the run at that point with its one-line message. After a failed
-write nothing more is written (an epoch's last.ckpt never names a best file that is not on disk), and the run ends
-at last.ckpt's save, or at the next save when the failure came while last.ckpt was being copied. A signal's save
-and a SLURM requeue's are never in the background. The training thread still collects and serializes the state; what
-leaves it is the file I/O (the write, the fsyncs, the rename): a save alone holds it 1.3 ms instead of 3.2 ms for
-the MLP, 154 instead of 216 ms for ResNet-18, on this project's 2-core machine's local disk
-(benchmarks/per_call.py). A kill -9 during the write leaves the previous file, as it would during a write on the
-training thread. The cost: up to two copies of the checkpoint in memory until they are written.
+"""Checkpoints written so a kill mid-save never leaves a torn file: Lightning moves a file from $TMPDIR without fsync
+(a copy a kill can cut when /tmp is another filesystem). Here a hidden temp file beside it is fsynced, renamed, and
+the dir fsynced; the callbacks' saves are written by a thread, in save order (benchmarks/per_call.py).
 """
 
 import io
@@ -75,9 +55,8 @@ def write_atomically(checkpoint: dict[str, Any] | memoryview, target: Path) -> N
 
 
 def copy_atomically(source: Path, target: Path) -> None:
-    """`target` as the checkpoint file `source`: a hard link beside it, renamed over `target` (no second write;
-    checkpoint files are only ever replaced, never changed in place, so the two names stay the same bytes), or a
-    copy, fsynced, where the filesystem has no links."""
+    """`target` as `source`: a hard link renamed over it (checkpoint files are only ever replaced, never changed in
+    place), or a fsynced copy where the filesystem has no links."""
     partial = partial_path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -112,9 +91,8 @@ def _not_written(target: Path, error: OSError) -> UserError:
 
 
 def _remove(partial: Path) -> None:
-    """A temporary file gone, if it is there. On a read-only filesystem even a missing one raises (EROFS), and that
-    must not replace the error that says what happened; one left behind goes at a later write (remove_stale_partials).
-    """
+    """A temporary file gone, if there; errors ignored (even a missing one raises EROFS on a read-only filesystem,
+    which must not hide the real error). One left behind goes later (remove_stale_partials)."""
     try:
         partial.unlink(missing_ok=True)
     except OSError:
@@ -166,9 +144,8 @@ def _first_failure(jobs: tuple[Future, ...]) -> BaseException | None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Local paths: written atomically, by the writer thread inside `in_background()`. Others (`s3://...`, storage
-    options): Lightning's. A checkpoint the run already read (`hand_over`) is not read again when Lightning
-    restores it."""
+    """Local paths: written atomically, by the writer thread inside `in_background()`; others (`s3://...`): Lightning's.
+    A checkpoint the run already read (`hand_over`) is not read again when Lightning restores it."""
 
     _handed: tuple[Path, dict] | None = None
     _background: Path | None = None  # the one file in_background() is for
@@ -203,9 +180,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._settle(self._pending.index(self._newest_write) if self._newest_write in self._pending else 0)
 
     def _settle(self, jobs: int) -> None:
-        """Waits for the first `jobs` jobs handed over, in order. A failure is raised once: the jobs after it only
-        repeat it (_unless_failed) or skip (_remove_unless_failed). A Ctrl-C while waiting keeps the rest for
-        teardown, which still reports their failure."""
+        """Waits for the first `jobs` jobs handed over, in order; a failure is raised once (later jobs repeat or skip
+        it). A Ctrl-C while waiting keeps the rest for teardown, which still reports their failure."""
         for _ in range(jobs):
             try:
                 self._pending[0].result()
@@ -264,9 +240,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @staticmethod
     def _unless_failed(before: tuple[Future, ...], write: Callable[..., None], *args: Any) -> None:
-        """`write(*args)`, in the writer thread, unless a job before it failed: nothing is written after a write that
-        failed (last.ckpt must not name a best file that is not on disk). The failure is raised again, so the run
-        ends at the next save or at teardown."""
+        """`write(*args)` in the writer thread, unless a job before it failed (last.ckpt must not name a best file not
+        on disk): then the failure is raised again, ending the run at the next save or teardown."""
         failed = _first_failure(before)
         if failed is not None:
             del args  # a snapshot is not kept alive by the traceback of the error raised again

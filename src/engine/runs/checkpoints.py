@@ -1,9 +1,6 @@
-"""Reading checkpoints safely: torch's weights_only loader, one clear error for a bad file, and a model rebuilt
-from the checkpoint's config only out of an explicit, small set of kinds of class.
-
-A checkpoint is a .ckpt file, or (strategy=fsdp) a directory of shards with the rest in meta.pt.
-A checkpoint may come from someone else, so nothing it names may run code: no functions, no modules outside
-the allowed packages are even imported, no interpolations (they would call resolvers).
+"""Reading checkpoints safely: torch's weights_only loader, one clear error for a bad file, and a model rebuilt from
+the checkpoint's config only out of a small set of kinds of class. A checkpoint may come from someone else, so nothing
+it names may run code: no functions, no modules outside the allowed packages, no interpolations (resolvers).
 """
 
 import inspect
@@ -125,9 +122,8 @@ def _kinds() -> dict[str, tuple[type, ...]]:
 
 
 def _class_of(target: str, where: str, prefixes: tuple[str, ...]) -> Any:
-    """`package.module.Class` by importing the module and taking one attribute: no walk through other modules'
-    attributes (`project.models.classifier.L.<anything>` reaches far beyond the allowed packages), and the
-    class (or factory) itself must be defined in an allowed package."""
+    """`package.module.Class` by one attribute of the imported module (`project.models.classifier.L.<anything>` would
+    reach beyond the allowed packages); the class (or factory) must be defined in an allowed package."""
     import importlib
 
     module_name, _, name = target.rpartition(".")
@@ -158,9 +154,8 @@ def _builds(obj: Any) -> Any:
 
 
 def check_buildable(node: Any, where: str, kind: str = "part", trusted: Sequence[str] = ()) -> None:
-    """Raise unless every `_target_` under `node` is a class (or a factory declared to return one) of the allowed
-    packages and of the kind its place allows. Module paths are checked before anything is imported, so a
-    checkpoint cannot import code."""
+    """Raise unless every `_target_` under `node` is a class (or factory returning one) of the allowed packages and
+    kind; module paths are checked before anything is imported, so a checkpoint cannot import code."""
     prefixes = allowed(trusted)
     if isinstance(node, list):
         for i, item in enumerate(node):

@@ -19,12 +19,8 @@ def resume_override(path: str) -> str:
 
 
 def continue_command(path: str) -> str:
-    """For a plain `python train.py` run: that command with the run's own overrides and `ckpt_path=<path>` (a
-    resume with other settings, another model or schedule, is refused, so the overrides come along), less those a
-    resume refuses or does itself: its output folders (it writes into a new run dir) and the profile that
-    $PROJECT_PROFILE adds; for a tuned run, the tune overrides give way to the value found. For a sweep's job,
-    or a run torchrun, SLURM or nodes started by hand launched: `ckpt_path=<path>` to add to the command that
-    started it (on every node)."""
+    """A plain run: its command with its own overrides (a resume with other settings is refused) and `ckpt_path=<path>`.
+    A sweep job or a torchrun/SLURM/by-hand run: `ckpt_path=<path>`, to add to the command that started it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -19,10 +19,8 @@ CREATED: set[str] = set()
 
 
 def unique_dir(path: str) -> str:
-    """Claim `path`, or `path_1`, `path_2`, ... if taken: two runs started in the same second get two dirs.
-
-    mkdir is atomic, so concurrent processes cannot claim the same name. Hydra caches the result per process.
-    """
+    """Claim `path`, or `path_1`, `path_2`, ... if taken: two runs started in the same second get two dirs (mkdir is
+    atomic). Hydra caches the result per process."""
     candidate, n = path, 0
     while True:
         try:
@@ -34,9 +32,8 @@ def unique_dir(path: str) -> str:
 
 
 def _slurm_batch_name(parent: str, job_id: str) -> str:
-    """`python train.py` started by a batch script without srun: the k-th such run of the job gets
-    slurm_<job>_run<k>. After a requeue the script starts its runs again in the same order, so each
-    finds its own directory (and checkpoints) again, and two runs of one script never share one."""
+    """The k-th `python train.py` of a batch script without srun gets slurm_<job>_run<k>: a requeue starts them in the
+    same order, so each finds its own directory (and checkpoints) again."""
     restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
     with open(os.path.join(parent, f".slurm_{job_id}.starts"), "a+") as ledger:
         fcntl.flock(ledger, fcntl.LOCK_EX)  # released when the file closes
@@ -93,10 +90,8 @@ def launch_identity() -> str | None:
 
 
 def continuing(run_dir: Path) -> bool:
-    """This process continues its own launch in `run_dir`: a restart (a SLURM requeue, a torchelastic restart), or a
-    process of a launch whose directory already holds that launch's checkpoints. torchrun restarts the workers of a
-    node that did not fail with a restart count of 0 when another node rejoins, and the command that continues a
-    torchrun run is its own (the same --rdzv-id) with ckpt_path=...: both are the launch going on, not a new run."""
+    """This process continues its own launch in `run_dir`: a restart, or a launch whose directory holds its checkpoints
+    (torchrun restarts healthy nodes with a restart count of 0, and a continued torchrun keeps its --rdzv-id)."""
     if environment.restarted():
         return True
     launch = launch_identity()
@@ -109,9 +104,8 @@ def continuing(run_dir: Path) -> bool:
 
 
 def claim(run_dir: Path, key: str, launch: str | None = None) -> None:
-    """This run's directory, atomically: of two runs, or two launches (two sbatch jobs, two torchruns) named into
-    one directory, exactly one gets it; every process of the launch that got it joins. The claim file appears with
-    its content in one step (a hard link of a file already written), so a process never reads a half-made one."""
+    """This run's directory, atomically: of two launches named into one directory exactly one gets it, and its
+    processes join. The claim file appears whole (a hard link of a written file), never half-made."""
     owner = launch or f"{os.uname().nodename}:{os.getpid()}:{datetime.now().isoformat()}"
     partial = run_dir / f"{CLAIM}.{os.uname().nodename}.{os.getpid()}"
     try:
@@ -165,9 +159,8 @@ def remove_if_unused(run_dir: Path) -> None:
 
 
 def _settings_only(path: Path) -> bool:
-    """A logger's file that holds the run's settings and nothing the run measured: Lightning's hparams.yaml, and a
-    TensorBoard event file with the HParams summary alone, written before the run found the mistake (its data
-    missing offline, say)."""
+    """A logger's file holding the run's settings and nothing measured (hparams.yaml, an event file with only the
+    HParams summary), written before the run found its mistake."""
     if path.name == "hparams.yaml":
         return True
     if not path.name.startswith("events.out.tfevents."):
@@ -194,9 +187,8 @@ def earlier_files(directory: Path) -> list[Path]:
 
 
 def check_own_output_dir(cfg: Any) -> None:
-    """`paths.output_dir` is this run's own: the run dir Hydra made and the guard checked, or a directory that
-    holds no earlier run's files (`paths.output_dir=<a training run>` would replace its results). Ranks and
-    restarted jobs join a directory already checked."""
+    """`paths.output_dir` is this run's own: Hydra's run dir, or one holding no earlier run's files (it would replace
+    their results). Ranks and restarted jobs join a directory already checked."""
     from hydra.core.hydra_config import HydraConfig
 
     output_dir = Path(str(cfg.paths.output_dir)).expanduser().resolve()
@@ -215,9 +207,8 @@ def check_own_output_dir(cfg: Any) -> None:
 
 
 def make_output_dirs(cfg: Any) -> None:
-    """Every directory the run will write to, made now: an unwritable one (a logger's save_dir, a checkpoint
-    dirpath, paths.output_dir) fails at start with its key named, not after an epoch of training. Before that,
-    paths.output_dir must be this run's own (check_own_output_dir)."""
+    """Every directory the run will write to, made now: an unwritable one fails at start with its key named, not
+    after an epoch of training. paths.output_dir must be this run's own (check_own_output_dir)."""
     check_own_output_dir(cfg)
     wanted = {"paths.output_dir": cfg.paths.output_dir}
     if cfg.get("trainer") is not None and cfg.trainer.get("default_root_dir"):
@@ -252,9 +243,8 @@ def _refuse_file_url(key: str, value: str) -> None:
 
 
 def make_writable(key: str, path: Path, made: list[Path]) -> None:
-    """`path` and the folders above it that are missing, made (and added to `made`: a failed start removes what it
-    made itself, never a folder another process made meanwhile), then checked for writing; else one line naming
-    `key`."""
+    """`path` and missing folders above it, made (and added to `made`, so a failed start removes only its own), then
+    checked for writing; else one line naming `key`."""
     try:
         for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
             try:

@@ -1,7 +1,5 @@
-"""A checkpoint's model with all its weights in this one process, also from a sharded (fsdp) checkpoint.
-
-predict.py and export.py run a whole model on one device; a sharded checkpoint is gathered by reading every
-shard through torch.distributed.checkpoint without a process group (it reshards to plain tensors).
+"""A checkpoint's model with all its weights in this one process, also from a sharded (fsdp) checkpoint: every shard
+is read through torch.distributed.checkpoint without a process group (it reshards to plain tensors).
 """
 
 import warnings

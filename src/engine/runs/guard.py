@@ -1,8 +1,5 @@
-"""A Hydra callback that refuses a run before Hydra writes anything into its directory.
-
-Hydra saves `.hydra/config.yaml` and opens the job's log in the run dir before the task starts, so a
-check inside the task comes too late to leave another run's files alone. `on_run_start` and
-`on_multirun_start` run before that. Hydra turns a callback's exceptions into warnings, so a refusal
+"""A Hydra callback that refuses a run before Hydra writes `.hydra/config.yaml` and the job's log into its directory,
+which a check inside the task would be too late for. Hydra turns a callback's exceptions into warnings, so a refusal
 exits here (engine.errors.exit_with).
 """
 

@@ -1,7 +1,5 @@
-"""A run's final numbers as JSON files in its directory, so scripts and sweeps need not parse TensorBoard.
-
-Valid JSON always: a metric that is not finite (a diverged run) is written as null, and `status` says how the
-stage ended (ok, diverged, interrupted).
+"""A run's final numbers as JSON files in its directory, so scripts and sweeps need not parse TensorBoard. Always
+valid JSON: a non-finite metric is null, and `status` says how the stage ended (ok, diverged, interrupted).
 """
 
 import json

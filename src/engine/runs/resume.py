@@ -1,9 +1,6 @@
-"""Which checkpoint a run continues from, and whether it fits the run's model.
-
-A fresh run continues from `ckpt_path` if given. A job that runs again after a SLURM requeue, a submitit
-resubmission or a torchelastic restart continues from the furthest readable checkpoint in its own directory,
-even if it was first started with `ckpt_path`: that was where it began, not how far it got. (A new run in a
-directory that holds checkpoints is refused before Hydra writes into it: engine.runs.guard.)
+"""Which checkpoint a run continues from, and whether it fits the run's model. A requeued or restarted job continues
+from the furthest readable checkpoint in its own directory, even if first started with `ckpt_path`: that was where it
+began, not how far it got.
 """
 
 import logging
@@ -19,13 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def newest_checkpoint(run_dir: Path) -> str | None:
-    """The run dir's furthest checkpoint that is not torn: Lightning's hpc_ckpt_*, last.ckpt or an epoch_*.
-
-    Ordered by the global step each holds, not by modification time: `cp -r` of a run folder gives its files new
-    times in copy order. At the same step Lightning's requeue save, then last.ckpt (saved after the best file). One
-    that cannot be loaded (cut off by the kill, or not a checkpoint of ours) is passed over with a warning. Reading
-    each one's step takes a few milliseconds (its pickle only), so a folder of thousands of epoch files adds seconds
-    to the restart."""
+    """The run dir's furthest checkpoint that is not torn (hpc_ckpt_*, last.ckpt, epoch_*), or None; ordered by the
+    global step each holds, not mtime (`cp -r` changes it). Unloadable ones are passed over with a warning."""
     from engine.runs.atomic_io import remove_stale_partials
 
     for folder in (run_dir, run_dir / "checkpoints"):  # what the stop cut off (Lightning's requeue save beside)
@@ -59,10 +51,8 @@ def _global_step(path: Path) -> int:
 
 
 def check_output_dirs(output_dir: Path, callbacks: Any, restarted: bool) -> None:
-    """Where this run writes checkpoints must not hold another run's: `paths.output_dir=<an earlier run>`, or a
-    checkpoint callback's `dirpath` moved to a shared folder, would overwrite its last.ckpt. The guard checks
-    hydra.run.dir before Hydra writes; this checks where the trainer writes. A restarted job continues its own;
-    ranks that Lightning or a sweep job started share a directory already checked."""
+    """Where the trainer writes checkpoints must not hold another run's (its last.ckpt would be overwritten); the
+    guard checked hydra.run.dir. A restarted job continues its own; started ranks share one already checked."""
     from hydra.core.hydra_config import HydraConfig
 
     if restarted or (HydraConfig.initialized() and HydraConfig.get().output_subdir is None):
@@ -118,9 +108,8 @@ def epochs_trained(ckpt: dict) -> int:
 
 
 def schedule_length(path: str, ckpt: dict, model_cfg: Any, stretch: bool) -> int | None:
-    """The new length to stretch a restored schedule to, or None to restore it as saved. A cosine schedule
-    keeps the T_max it was started with: resuming with more epochs would train them past its end, so without
-    `stretch_schedule=true` a different length stops the run with the choices."""
+    """The new length to stretch a restored schedule to, or None to restore it as saved; without
+    `stretch_schedule=true` a different length (training past the cosine's end) stops the run with the choices."""
     from omegaconf import OmegaConf
 
     stored = [s.get("T_max") for s in ckpt.get("lr_schedulers") or [] if isinstance(s, dict)]
@@ -188,9 +177,8 @@ _MAY_CHANGE = re.compile(r"model\.(compile|monitor)|model\.(optimizer|scheduler)
 
 
 def _check_same_settings(path: str, saved: dict, wanted: dict) -> None:
-    """Which of a module's arguments feed configure_optimizers is its own business (the template's autoencoder takes
-    its learning rate as one), and a resume restores the optimizer as saved, so a changed learning rate was ignored
-    while the new checkpoints recorded it. Every argument stays as it was."""
+    """Every module argument stays as saved: any may feed configure_optimizers (the autoencoder's learning rate), and a
+    resume restores the optimizer as saved, so a change would be ignored while new checkpoints recorded it."""
     saved_flat, wanted_flat = _flat(saved, "model"), _flat(wanted, "model")
     keys = [k for k in sorted(set(saved_flat) | set(wanted_flat)) if not _MAY_CHANGE.fullmatch(k)]
     changed = [k for k in keys if saved_flat.get(k) != wanted_flat.get(k)]

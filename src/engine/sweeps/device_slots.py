@@ -1,11 +1,6 @@
-"""Pins each worker of a parallel sweep (hydra/launcher=parallel) to its own GPUs or its own share of CPU cores.
-
-joblib's loky workers are processes that run one job after another, and expose no worker index. A GPU must be
-chosen before CUDA starts in a process, and a worker keeps its CUDA context across jobs, so the pin belongs to
-the worker, not the job: the first job in a process takes the first free slot with a non-blocking lock on
-`<sweep dir>/.slots/slot<i>.lock` and keeps it for the process's life (the OS frees it when the process ends).
-Slot i gets GPUs i, i+n, ... of the visible ones (CUDA_VISIBLE_DEVICES is narrowed to them; processes the job
-starts inherit it) and CPU cores i*k .. i*k+k-1 (affinity, torch threads, OMP_NUM_THREADS).
+"""Pins each worker of a parallel sweep (hydra/launcher=parallel) to its own GPUs or share of CPU cores. A GPU must be
+chosen before CUDA starts and loky workers keep theirs across jobs, so the pin belongs to the worker: its first job
+takes a free slot by a non-blocking lock on `<sweep dir>/.slots/slot<i>.lock`, held for the process's life.
 """
 
 import fcntl

@@ -1,13 +1,6 @@
-"""Sweep jobs whose trainer launches rank processes each run as a fresh, single `train.py` run.
-
-Lightning's DDP launcher starts ranks 1..N-1 by re-running the script with the original argv. Inside
-a Hydra sweep that argv is the whole sweep (`-m seed=1,2`), so each child runs every job of the sweep
-on its own, in a second sweep dir; the parent also keeps LOCAL_RANK and a live process group into the
-next job, which then launches nothing (Lightning #11300, hydra #2070). Running such a job as its own
-process, `train.py <this job's overrides> hydra.run.dir=<this job's dir>`, hands the launcher the
-single-run case it handles correctly, keeps jobs apart, and turns a crashed rank into a failed job
-instead of a killed sweep. Nothing here depends on the sweeper or launcher; tested with Hydra's basic
-sweeper and local launcher.
+"""Sweep jobs whose trainer launches rank processes each run as a fresh, single `train.py` run: Lightning's DDP
+launcher re-runs the original argv, which in a sweep is the whole sweep, and the parent keeps LOCAL_RANK and a live
+process group into the next job (Lightning #11300, hydra #2070).
 """
 
 import os

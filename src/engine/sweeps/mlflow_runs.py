@@ -1,9 +1,6 @@
-"""A sweep in MLflow: one parent run, each job a child run of it (tag `mlflow.parentRunId`), the sweep's summary
-(summary.md, .csv, .png) as the parent's artifacts when the sweep ends.
-
-The first job to start creates the parent and keeps its id in the sweep dir (trackers.json); a lock on the sweep
-dir makes it the only one when jobs start at once (hydra/launcher=parallel). Imports no Lightning: the summary
-(`python -m engine.sweeps.summary`) calls it too.
+"""A sweep in MLflow: one parent run, each job a child (tag `mlflow.parentRunId`), the summary as its artifacts. The
+first job creates the parent, its id kept in the sweep dir under a lock (parallel launchers). Imports no Lightning:
+the summary (`python -m engine.sweeps.summary`) calls it too.
 """
 
 import os
@@ -16,11 +13,8 @@ from engine.loggers import tracking
 NAME = "mlflow"
 SUMMARY_FILES = ("summary.md", "summary.csv", "summary.png")
 
-# How long MLflow's client waits for a tracking server, unless the environment says otherwise. Its own defaults
-# (120 s per try, 7 retries, a backoff that doubles from 2 s, and whatever wait a reply's Retry-After asks for)
-# held a run whose server died for 8.5 minutes; with these a server that accepts and never answers fails a
-# request after at most 3 x 8 + 2.5 = 26.5 s, a closed port after 2.5 s. MLflow reads them at each request: set
-# before the first (engine.loggers.mlflow, log_summary).
+# MLflow's own defaults held a run whose server died for 8.5 minutes; with these a request fails within 26.5 s
+# (unless the environment says otherwise). MLflow reads them at each request: set before the first.
 REQUEST_LIMITS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "8",  # seconds to connect, and to wait for an answer
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",

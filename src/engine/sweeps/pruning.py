@@ -1,8 +1,5 @@
-"""Reports a per-epoch metric to this sweep job's Optuna trial, and stops training when the pruner says so.
-
-A pruned job stops like an early-stopped one (trainer.should_stop), tests its best checkpoint and ends
-normally: a pruned trial is a decision of the search, not an error, so it must not fail the job or the sweep.
-The sweeper learns of it from the trial's storage, and the sweep summary from `pruned.json` in the job dir.
+"""Reports a per-epoch metric to this sweep job's Optuna trial, and stops training when the pruner says so. A pruned
+job stops like an early-stopped one and ends normally: pruning is a decision of the search, not an error.
 """
 
 import importlib
@@ -19,9 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def _sweeper_job() -> Any:
-    """hydra_plugins.engine_optuna_sweeper.job, imported by name: mypy checks src/ by path, where that namespace
-    package (no __init__.py, shared with installed Hydra plugins) gets another module name, and an import
-    statement here would make mypy see one file under two names."""
+    """hydra_plugins.engine_optuna_sweeper.job, imported by name: mypy checks src/ by path, and an import statement of
+    that namespace package would make it see one file under two names."""
     return importlib.import_module("hydra_plugins.engine_optuna_sweeper.job")
 
 

@@ -1,10 +1,5 @@
-"""One table and one figure per sweep: every job's overrides, status, metrics, epochs and wall time.
-
-Written into the sweep dir when a multirun ends (SweepSummary, a Hydra callback) and by
-`python -m engine.sweeps.summary <sweep dir>` for an existing one: summary.csv, summary.md (sorted by the
-optimized metric, best first) and summary.png (the metric against each swept parameter). It reads what each
-job left in its directory, so it works for any sweeper and launcher, and a failed or killed job is a row, never
-a crash of the summary; for a basic sweep, also the jobs it planned (multirun.yaml) that never started.
+"""One table and one figure per sweep: every job's overrides, status, metrics, epochs and wall time. It reads what
+each job left in its directory, so it works for any sweeper and launcher, and a failed job is a row, never a crash.
 """
 
 import csv
@@ -136,9 +131,8 @@ def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
 
 
 def _planned(sweep_dir: Path) -> dict[str, dict[str, str]]:
-    """The jobs a basic sweep planned, by directory name, with their overrides: its sweep parameters and command line
-    (multirun.yaml) expanded as Hydra's basic sweeper expands them. Nothing for other sweepers (Optuna's trials are not
-    known ahead), for job directories named otherwise than by job number, or for what cannot be expanded here."""
+    """The jobs a basic sweep planned (multirun.yaml, expanded as Hydra's basic sweeper does), by directory name, with
+    their overrides; empty for other sweepers, other job-dir names, or what cannot be expanded here."""
     path = sweep_dir / "multirun.yaml"
     if not path.is_file():
         return {}

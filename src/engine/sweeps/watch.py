@@ -1,11 +1,6 @@
-"""Stops a parallel sweep's worker once the sweep's own process is gone (kill -9, the kernel's OOM killer).
-
-joblib's workers are processes of their own: with the sweep's process killed, a worker went on training its job to
-the end (and wrote into the sweep's directory) with nobody left to read the result, then waited minutes for work
-that could not come. Each worker watches the sweep's process (its pid, handed down before the workers start: a
-worker started just before the kill still knows whom to watch). Once that is gone, the job stops the way a SIGTERM
-stops a run (last.ckpt saved, the line that says how to continue) and the worker exits. A scheduler that kills the
-whole job (SLURM) stops the workers itself; this is for the machine at hand.
+"""Stops a parallel sweep's worker once the sweep's own process is gone (kill -9, the OOM killer): otherwise a joblib
+worker trained its job to the end for nobody, then waited minutes for work. The job stops as on SIGTERM (last.ckpt,
+how to continue); the pid is handed down before the workers start, so a worker started just before the kill knows it.
 """
 
 import logging

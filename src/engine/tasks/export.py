@@ -1,13 +1,6 @@
-"""The export task: a checkpoint's LightningModule (its forward), with its input normalization built in, as a file
-that runs without this project: ONNX (onnxruntime, any language) or torch.export's `.pt2` (torch.export.load).
-
-The file goes beside the checkpoint (<checkpoint name>.onnx or .pt2) unless `output=` names another path;
-the run dir keeps export.json (what was written, the input it takes, the largest difference from PyTorch).
-A model of images takes uint8 pixels (N, C, H, W), 0-255, any N; a classifier returns logits (N, num_classes),
-another module whatever its forward returns (`output`). A module of anything else (rows of a table, tokens of
-text) exports as it is, on its `example_input_array`, else on one batch of its checkpoint's DataModule (the
-predict_dataloader's inputs, or the first of a validation batch). The batch dimension is dynamic; for integer
-inputs (tokens), the second too, up to the example's length: a GPT exports for any prompt up to its context.
+"""The export task: a checkpoint's LightningModule (its forward), input normalization built in, as a file that runs
+without this project: ONNX (onnxruntime) or torch.export's `.pt2`. Image models take uint8 pixels (N, C, H, W);
+the batch dimension is dynamic, and for integer inputs (tokens) the second too, up to the example's length.
 """
 
 import json
@@ -145,9 +138,8 @@ def _example_from_data(model: Any, train_config: dict, trusted: list[str]) -> An
 
 
 def _example(model: Any, spec: Any, train_config: dict, trusted: list[str]) -> tuple[Any, Any, str]:
-    """(the module to export, its example input, the input's name): uint8 pixels with the normalization inside
-    for a model of images, else the module as it is on its `example_input_array` or one batch of its data. A batch
-    of one is taken twice: torch.export would make a size-1 batch dimension a constant."""
+    """(the module to export, its example input, the input's name). A batch of one is taken twice: torch.export would
+    make a size-1 batch dimension a constant."""
     import torch
 
     from engine.tasks.pixels import RawPixels

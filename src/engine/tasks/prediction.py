@@ -77,9 +77,8 @@ def _data_config(cfg: DictConfig, train_config: dict) -> DictConfig:
 
 
 def _check_predict_data(datamodule: Any) -> None:
-    """The DataModule's predict_dataloader made once before any process starts: a value it refuses (no
-    data.predict_path, a file that is not there) is one line, as a refused value of its constructor is (engine.build),
-    not a traceback from inside Lightning's loop."""
+    """The DataModule's predict_dataloader made once before any process starts, so a value it refuses is one line, not
+    a traceback from inside Lightning's loop."""
     try:
         datamodule.setup("predict")
         datamodule.predict_dataloader()
@@ -89,10 +88,8 @@ def _check_predict_data(datamodule: Any) -> None:
 
 
 class PredictRun:
-    """`model`: the checkpoint's LightningModule with all its weights (a sharded checkpoint's gathered), in eval mode.
-    `datamodule`: what to predict on: with `input=`, those images read as the model's training data was; else the
-    checkpoint's own DataModule (its config with this command's `data.<key>=...` over it, its saved state loaded),
-    whose predict_dataloader says what to predict on."""
+    """`model`: the checkpoint's whole LightningModule, in eval mode. `datamodule`: with `input=`, those images read as
+    the training data was; else the checkpoint's DataModule, this command's `data.<key>=...` over it."""
 
     def __init__(self, cfg: DictConfig) -> None:
         if cfg.batch_size < 1 or cfg.num_workers < 0:

@@ -1,9 +1,6 @@
-"""What a training run needs around the user's task (project.tasks.train), in the order the task asks for it.
-
-`TrainRun(cfg)` comes first: it checks every component config against what it builds, claims and prepares the run
-directory, seeds, and finds where to continue from (`ckpt_path`, or after a requeue this directory's furthest
-checkpoint). `trainer(...)` builds the Trainer once the model and data exist, after checking that they fit each
-other and the checkpoint. `fitted`, `tested` and `objective` write and return the run's numbers.
+"""What a training run needs around the user's task (project.tasks.train), in the order the task asks for it:
+`TrainRun(cfg)` checks the configs, claims the run dir, seeds and finds where to continue; `trainer(...)` builds the
+Trainer once model and data exist, checked against each other and the checkpoint.
 """
 
 import logging
@@ -28,9 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class TrainRun:
-    """One training run: see the module docstring. With `tune=lr|batch_size` Lightning's finder runs here first
-    (engine.tasks.tune): without `tune.apply=true` the run ends after it; with it, the value found is written into
-    `cfg`, which the task then builds from."""
+    """One training run: see the module docstring. With `tune=lr|batch_size` Lightning's finder runs here first; without
+    `tune.apply=true` the run ends after it, with it the value found is written into `cfg`."""
 
     def __init__(self, cfg: DictConfig) -> None:
         build.check(cfg)
@@ -81,9 +77,8 @@ class TrainRun:
     def trainer(
         self, trainer_cfg: DictConfig, callbacks: list[Any], logger: list[Any], model: Any, datamodule: Any
     ) -> Any:
-        """The Trainer, once the model and data are built: checked against each other (the model's contract, the
-        data's shape) and against the checkpoint to continue (its weights, its weight averaging) first. In a
-        sweep, a job whose Trainer would start more processes runs as a process of its own, and the run ends."""
+        """The Trainer, after model, data and checkpoint are checked against each other. In a sweep, a job whose
+        Trainer would start more processes runs as a process of its own, and the run ends."""
         cfg = self.cfg
         self._check(model, datamodule)
         callbacks = [*callbacks, *self._stretch]

@@ -1,11 +1,6 @@
-"""`tune=lr|batch_size`: Lightning's learning-rate and batch-size finders, on a Trainer of their own.
-
-The finder runs before the run's own Trainer exists, on one device, and leaves nothing but its report in the run
-dir: tune.json (the value found, the override that uses it, the curve) and, for the learning rate, lr_find.png.
-The value belongs to a config key, checked to be the one the model really reads (a rate written into
-configure_optimizers has none). With `tune.apply=true` the value is written into the config (the run's config and
-HParams show it) and the model or data are built again from it, seeded as the run was: the run then trains as
-`python train.py <override>` would. Ctrl-C or SIGTERM stops a search at once and leaves nothing.
+"""`tune=lr|batch_size`: Lightning's learning-rate and batch-size finders, on a Trainer of their own, before the run's.
+The value belongs to a config key, checked to be the one the model really reads; with `tune.apply=true` it is
+written into the config and the model or data rebuilt, so the run trains as `python train.py <override>` would.
 """
 
 import json
@@ -114,9 +109,8 @@ def _tuning_trainer(cfg: DictConfig, scratch: Path) -> Any:
 
 
 def _no_validation(cfg: DictConfig) -> dict[str, Any]:
-    """The learning-rate finder reads the training loss only, but Lightning's lets it validate up to num_training
-    batches at every epoch end (on the tiny profile's 3-batch epochs: 33 validations). The batch-size finder
-    validates on purpose: a batch must fit in validation too."""
+    """The lr finder reads only the training loss, yet Lightning's validates at every epoch end (33 times on the tiny
+    profile). The batch-size finder validates on purpose: a batch must fit in validation too."""
     return {"check_val_every_n_epoch": 2**31 - 1, "num_sanity_val_steps": 0} if cfg.tune.mode == "lr" else {}
 
 

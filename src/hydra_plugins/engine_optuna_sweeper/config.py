@@ -6,9 +6,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-# A job finds its trial through these variables, set as literal values with hydra.job.env_set: they reach jobs
-# that other launchers run in other processes, and processes a job starts itself (a DDP job re-run as a single
-# run gets its own hydra.sweeper config back, not the sweep's, so it must not rebuild the study from that).
+# A job finds its trial through these variables (hydra.job.env_set): they reach jobs in other processes and processes
+# a job starts (a DDP job re-run as a single run gets its own hydra.sweeper config back, not the sweep's).
 TRIAL_ID_ENV = "HYDRA_OPTUNA_TRIAL_ID"
 TRIAL_NUMBER_ENV = "HYDRA_OPTUNA_TRIAL_NUMBER"
 STUDY_ENV = "HYDRA_OPTUNA_STUDY"

@@ -1,14 +1,6 @@
-"""Trials kept in flight one by one, so a slow trial never idles the other workers (Hydra #3091).
-
-Hydra's sweepers hand the launcher a batch of n_jobs jobs and wait for the whole batch. Here each trial's job is
-launched alone, `launcher.launch([job], trial number)`, from a thread of its own, and the sweeper asks the study
-for the next trial as soon as any job returns. Only launchers whose jobs run in other processes and that take
-concurrent launch() calls qualify (CONCURRENT): joblib's launcher does, as each call runs its one job on loky's
-shared pool of worker processes (joblib reuses the pool while its arguments stay the same), so the pool keeps
-n_jobs workers busy. joblib stops the whole pool when one worker dies (or a job raises past Hydra's run_job): the
-other jobs running then come back as exceptions too, and their trials are recorded as failed with that reason.
-Hydra's basic launcher runs jobs in this process (one HydraConfig, one working directory): trials there keep going
-one batch after the other.
+"""Trials kept in flight one by one, so a slow trial never idles the other workers (Hydra #3091): Hydra's sweepers
+wait for a whole batch of n_jobs. Each job is launched alone from its own thread, for launchers that take concurrent
+launch() calls (CONCURRENT: joblib's, on loky's shared pool); the basic launcher keeps going batch after batch.
 """
 
 import queue
@@ -28,10 +20,8 @@ def concurrent(launcher: Any) -> bool:
 
 
 class InFlight:
-    """The trials whose jobs are running, each launched from its own thread; `next_done` waits for any of them.
-
-    A job that the launcher could not bring back (its worker process died, the pool was shut down) comes back
-    as the exception the launcher raised, so the sweeper records that trial as failed and goes on."""
+    """The trials whose jobs are running, each launched from its own thread; `next_done` waits for any of them. A
+    job the launcher could not bring back returns as its exception, so that trial is recorded as failed."""
 
     def __init__(self, launcher: Any) -> None:
         self._launcher = launcher

@@ -7,11 +7,8 @@ from .config import PRUNED_ATTR, PRUNER_ATTR, STORAGE_ENV, STUDY_ENV, TRIAL_ID_E
 
 
 def current_trial() -> Optional[Any]:
-    """This job's optuna.trial.Trial, or None outside an Optuna sweep (a single run, another sweeper).
-
-    With a storage the study is loaded from it (name and URL from the environment, the pruner from the study's
-    user attrs), so this works in any process a launcher runs the job in, and in processes the job starts;
-    without a storage only for jobs run in the sweeper's own process (the basic launcher)."""
+    """This job's optuna.trial.Trial, or None outside an Optuna sweep. Loaded from the storage, so any process works;
+    without a storage, only jobs in the sweeper's own process (the basic launcher)."""
     trial_id = os.environ.get(TRIAL_ID_ENV)
     if not trial_id:
         return None
@@ -37,9 +34,8 @@ def current_trial() -> Optional[Any]:
 
 
 def report(trial: Any, value: float, step: int) -> bool:
-    """Report an intermediate value; True when the pruner says stop. The trial is then marked pruned in
-    storage, so the sweeper sees it even when no exception can travel back (a subprocess, a finished job). A storage
-    that cannot be written stops the sweep, which says so once (not this job as a failure of its own too)."""
+    """Report an intermediate value; True when the pruner says stop, the trial then marked pruned in storage (no
+    exception may travel back). An unwritable storage stops the sweep, which says so once."""
     from .errors import StudyUnwritable
     from .study import storage_failure
 

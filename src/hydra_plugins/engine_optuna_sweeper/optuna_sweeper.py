@@ -1,17 +1,6 @@
 """A Hydra 1.3 sweeper on Optuna 4/5: ask trials, let any Hydra launcher run them, tell the results.
-
-hydra-optuna-sweeper 1.3.0 pins optuna<3, whose sqlite storage fails under SQLAlchemy 2, and counts n_trials
-per invocation, stops at the first failed trial and leaves killed trials RUNNING for good. Here:
-- n_trials counts the whole study: running the same command again after an interruption continues it;
-- trials left RUNNING by a killed sweep are marked FAIL + interrupted (not counted) and run again first;
-- a failed trial is FAIL with its one-line error, and the sweep goes on (outcome.py);
-- jobs find their trial through hydra.job.env_set (job.py), to report per-epoch values for pruning;
-- with hydra/launcher=parallel, n_jobs trials stay in flight: no batches (in_flight.py);
-- the sweep dir names its study (optuna_study.yaml), for the summary's Optuna plots (plots.py);
-- a storage that fails is one line (study.storage_failure): refused at start with nothing left behind (the lock,
-  a database just created, the sweep dir's files), stopped mid-sweep with the finished jobs kept, to be continued
-  by the same command.
-One sweep per study at a time.
+hydra-optuna-sweeper 1.3.0 pins optuna<3 (whose sqlite storage fails under SQLAlchemy 2), counts n_trials per
+invocation, stops at the first failed trial and leaves killed trials RUNNING. One sweep per study at a time.
 """
 
 import contextlib
@@ -136,9 +125,8 @@ class ProjectOptunaSweeper(Sweeper):
         return disk_error_in(error) or error
 
     def _start(self, name: str) -> Any:
-        """The study, locked and opened, and the sweep dir's files that name it. Refused (a storage that cannot be
-        opened or written, a disk that is full), it leaves nothing behind: not the lock, not a database it created
-        (nor the folders made for it), not those files (engine.entry then removes the sweep dir)."""
+        """The study, locked and opened, and the sweep dir's files that name it. Refused (an unusable storage, a full
+        disk), it leaves nothing behind: no lock, no database or folders it created, no files."""
         global ACTIVE_STUDY
         path = tracking.sqlite_file(self.storage)
         folders = [p for p in (path.parent, *path.parent.parents) if not p.exists()] if path else []

@@ -1,9 +1,6 @@
 """How a finished job becomes its trial's state: COMPLETE with its value, PRUNED, or FAIL with a one-line error.
-
-Every FAIL leaves `<job dir>/error.txt` and one `error:` line on stderr, as a basic sweep's failed job does
-(engine.sweeps.jobs.record_failure): the job writes it when it catches its own error; the sweeper writes it
-for what the job could not record (an exception that escaped the task, a return value that is not a number).
-The sweep goes on; the non-zero exit at its end is SweepReport's, a Hydra callback that runs after the sweeper.
+Every FAIL leaves `<job dir>/error.txt` and one `error:` line, as a basic sweep's failed job does; the sweep goes on,
+and the non-zero exit at its end is SweepReport's.
 """
 
 import logging
@@ -34,9 +31,8 @@ def _number(value: Any) -> Optional[float]:
 
 
 def _fail(job_dir: Optional[Path], trial_number: int, line: str, details: str = "") -> str:
-    """Record a failure the job did not record itself (the job's own error.txt is kept as it is): on stderr, in
-    error.txt, and at the end of the job's log (`<task>.log`), where a job that records its own failure writes it
-    too (engine.errors.say): its log, read later, says how it ended."""
+    """Record a failure the job did not record itself (its own error.txt is kept): on stderr, in error.txt, and at the
+    end of the job's log (`<task>.log`), as engine.errors.say would."""
     if job_dir is not None and (job_dir / ERROR_FILE).is_file():
         return (job_dir / ERROR_FILE).read_text().splitlines()[0]
     said = f"error: sweep job {trial_number}: {line}"

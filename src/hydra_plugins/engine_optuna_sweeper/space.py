@@ -1,9 +1,6 @@
-"""The search space: Hydra sweep expressions as Optuna distributions, and a study name derived from the search.
-
-tag(log, interval(1e-4, 1e-1))  -> FloatDistribution(log=True)
-int(interval(16, 256))          -> IntDistribution          (interval() alone gives floats)
-choice(32, 64, 128)             -> CategoricalDistribution
-range(1, 4)                     -> IntDistribution(1, 3)    (Hydra's range stops before its end)
+"""The search space: Hydra sweep expressions as Optuna distributions (`tag(log, interval(...))`: log float;
+`int(interval(...))`: int; `choice(...)`: categorical; `range(1, 4)`: IntDistribution(1, 3), as Hydra's range stops
+before its end), and a study name derived from the search.
 """
 
 import decimal
@@ -20,8 +17,7 @@ from .errors import SweeperConfigError
 
 
 def distribution(override: Override) -> Any:
-    """An Optuna distribution for a sweep override; None for a plain value (a fixed override). What Optuna refuses
-    (bounds in the wrong order, a log scale that reaches 0, a step that does not fit) is one line naming the
+    """An Optuna distribution for a sweep override; None for a plain value. What Optuna refuses is one line naming the
     override, said before a sweep dir or a study exists."""
     if not override.is_sweep_override():
         return None
@@ -59,9 +55,8 @@ MAX_CHOICES = 10_000
 
 
 def _range_bounds(override: Override) -> tuple[Any, Any, int]:
-    """(first value, last value, how many) of Hydra's range(start, stop, step), which stops before `stop`: the
-    values Hydra lists, up to MAX_CHOICES of them (floats step in Decimals rounded at each addition); beyond that
-    computed, never listed: a range of a billion steps is a distribution, not a list to build."""
+    """(first, last, how many) of Hydra's range(start, stop, step), which stops before `stop`: listed as Hydra would up
+    to MAX_CHOICES values, computed beyond (a billion steps is a distribution, not a list to build)."""
     value: Any = override.value()
     start, stop, step = value.start, value.stop, 1 if value.step is None else value.step
     if not all(math.isfinite(v) for v in (start, stop, step)):
@@ -82,9 +77,8 @@ def _range_bounds(override: Override) -> tuple[Any, Any, int]:
 
 
 def stepped(low: float, high: float, step: float) -> Any:
-    """FloatDistribution(low, high, step) that keeps `high`: Optuna recomputes high as low + ((high - low) // step)
-    * step, and for about half of all float steps the floor division rounds down and the last value is silently
-    dropped. Given half a step more, the floor lands on the last value (Optuna's warning about it is expected)."""
+    """FloatDistribution(low, high, step) that keeps `high`: Optuna's floor division silently drops it for about half
+    of float steps, so it gets half a step more (Optuna's warning about it is expected)."""
     from optuna.distributions import FloatDistribution
 
     with warnings.catch_warnings():
@@ -123,9 +117,8 @@ def suggest(trial: Any, name: str, dist: Any) -> Any:
 
 
 def study_name(base: str, space: dict[str, Any], fixed: list[str], direction: str) -> str:
-    """`<base>-<8 hex>` from what makes two searches different (space, fixed overrides, direction), so the same
-    command resumes its study and another search never mixes its trials into it. The trial count and the
-    launcher are Hydra overrides, not part of the search: raising n_trials continues the same study."""
+    """`<base>-<8 hex>` from the space, fixed overrides and direction: the same command resumes its study, another never
+    mixes into it; n_trials and the launcher are not part of it, so raising n_trials continues the study."""
     from optuna.distributions import distribution_to_json
 
     identity = "\n".join(

@@ -1,10 +1,6 @@
-"""Opening a study that may already hold trials of earlier runs of the same sweep, and what counts as done.
-
-A storage that fails (a full or read-only disk under an sqlite file, a database server that went away) is one line
-naming the storage and the fix (`storage_failure`), never SQLAlchemy's statement or Optuna's traceback: at start the
-sweep is refused and leaves nothing behind (not its lock, not a database it had just created: the sweeper), mid-sweep
-it stops, the finished jobs' dirs stay, and the same command continues the study. So does a full disk under the
-sweep's own files (engine.errors.disk_error_in).
+"""Opening a study that may already hold trials of earlier runs of the same sweep, and what counts as done. A failing
+storage is one line naming it and the fix (`storage_failure`), never SQLAlchemy's statement or Optuna's traceback;
+mid-sweep it stops, and the same command continues the study.
 """
 
 import contextlib
@@ -53,10 +49,8 @@ def _make_sqlite_dir(storage: str) -> None:
 
 
 def lock(name: str, storage: Optional[str]) -> Any:
-    """One sweep per study at a time: a lock file beside an sqlite database, held until this process ends (a
-    killed sweep's lock goes with it, so its RUNNING trials are then known to be dead) and removed then. A second
-    sweep on the same study is refused in one line; before this, it failed the first one's running trial. Other
-    storages (a database server) are not locked: run one sweep per study there."""
+    """One sweep per study: a lock file beside an sqlite database, held for this process's life (so a killed sweep's
+    RUNNING trials are known dead); a second sweep is refused. Other storages are not locked."""
     import atexit
     import fcntl
     import os
@@ -121,9 +115,8 @@ def release(handle: Any, lock_path: Optional[Path] = None) -> None:
 def open_study(
     name: str, storage: Optional[str], direction: str, sampler_cfg: Optional[DictConfig], pruner_cfg: Any
 ) -> Any:
-    """The study `name`, created or loaded. Its pruner config is stored with it, so a job in another process
-    builds the same pruner; a resumed study's sampler is reseeded (seed + trials so far), or a fixed seed would
-    draw the same startup points again."""
+    """The study `name`, created or loaded, its pruner config stored for jobs in other processes; a resumed study's
+    sampler is reseeded (seed + trials so far), or a fixed seed would draw the same startup points again."""
     import optuna
 
     if storage:
@@ -168,9 +161,8 @@ def open_study(
 
 
 def retry_interrupted(study: Any) -> None:
-    """Trials still RUNNING when a sweep starts belong to a sweep that was killed (one sweep per study at a time,
-    `lock`):
-    marked FAIL + interrupted (they do not count), and their parameters queued, so they run again first."""
+    """Trials still RUNNING at start belong to a killed sweep (`lock`): marked FAIL + interrupted (not counted), and
+    their parameters queued, so they run again first."""
     from optuna.trial import TrialState
 
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -220,9 +212,8 @@ def save_best(study: Any, path: Path) -> None:
 
 
 def tell(study: Any, trial: Any, value: Optional[float] = None, state: Any = None) -> None:
-    """study.tell, letting samplers that end a study (GridSampler, BruteForceSampler: study.stop() once every
-    point was tried) say so: Optuna allows stop() only inside study.optimize, so mark us as its loop (private API)
-    and keep the flag for the sweep loop (stopped())."""
+    """study.tell, letting samplers that end a study (GridSampler's study.stop()) say so: Optuna allows stop() only
+    inside study.optimize, so mark us as its loop (private API) and keep the flag (stopped())."""
     study._thread_local.in_optimize_loop = True
     try:
         study.tell(trial, value, state=state)
