@@ -36,6 +36,9 @@ def test_help_lists_the_groups_a_user_picks_without_importing_torch():
 BAD_INPUTS = [
     ("train.py", ["trainer.max_epoch=3"], "trainer.max_epoch: no such key; did you mean trainer.max_epochs?"),
     ("train.py", ["model=lenett"], "Could not find 'model/lenett'"),
+    # found by a blind new-user try: Hydra's own words suggested +modle=mlp; val_size was the close key offered
+    ("train.py", ["modle=mlp"], "modle: no such group or key; did you mean model?"),
+    ("train.py", ["data.image_size=32"], "data.image_size: no such key; data=image_folder has it (pick that option"),
     ("train.py", ["seed=-1"], "seed=-1: a seed is an integer from 0 to 4294967295"),
     ("train.py", ["paths.log_dir=/proc/x"], "cannot create a run directory under /proc/x/train/runs"),
     ("train.py", ["ckpt_path=/no/such.ckpt"], "ckpt_path=/no/such.ckpt: no such file"),

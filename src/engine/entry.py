@@ -57,21 +57,51 @@ def _composition_error(e: CompactHydraException) -> str:
     cause = e.__cause__
     parent = getattr(cause, "parent_node", None)
     key = getattr(cause, "key", None)
-    if isinstance(parent, DictConfig) and key is not None and "not in struct" in str(cause):
+    if isinstance(parent, DictConfig) and key is not None and "not in " in str(cause):
         full_key = getattr(cause, "full_key", key)
-        close = difflib.get_close_matches(str(key), [str(k) for k in parent.keys()], n=1)
         script, group = Path(sys.argv[0]).name, str(full_key).split(".")[0]
-        if close:
-            hint = f"did you mean {full_key[: -len(str(key))]}{close[0]}?"
-        elif not len(parent) and script != "train.py":  # eval.py's data: the checkpoint's, unless one is picked
+        known = [str(k) for k in parent.keys()]
+        conf = Path(sys.argv[0]).resolve().parent / "conf"
+        if "." not in str(full_key) and conf.is_dir():  # a top-level name: a config group's too (`modle=mlp`)
+            known += [p.name for p in conf.iterdir() if p.is_dir()]
+        close = difflib.get_close_matches(str(key), known, n=1)
+        elsewhere = _options_with(group, str(full_key)) if "." in str(full_key) else []
+        if not len(parent) and script != "train.py":  # eval.py's data: the checkpoint's, unless one is picked
             hint = f"{script} takes {group} from the checkpoint; to give other {group}, pick it first: {group}=<option>"
+        elif elsewhere:  # another option of the group has it (data.image_size: data=image_folder's)
+            picks = " or ".join(f"{group}={option}" for option in elsewhere[:3])
+            hint = f"{picks} has it (pick that option first)"
+        elif close:
+            hint = f"did you mean {full_key[: -len(str(key))]}{close[0]}?"
         else:
             hint = f"valid keys: {', '.join(map(str, parent.keys()))}"
-        return f"{full_key}: no such key; {hint} (to add a new key on purpose: +{full_key}=...)"
+        what = "no such key" if "." in str(full_key) else "no such group or key"
+        return f"{full_key}: {what}; {hint} (to add a new key on purpose: +{full_key}=...)"
     message = _one_line(str(e))
     if cause is not None:
         message += " " + _one_line(str(cause).split("full_key:")[0])
     return message
+
+
+_ABSENT = object()
+
+
+def _options_with(group: str, full_key: str) -> list[str]:
+    """The options of config group `group` (conf/<group>/*.yaml) that set `full_key` (`data.image_size`)."""
+    import yaml
+
+    folder = Path(sys.argv[0]).resolve().parent / "conf" / group
+    found = []
+    for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+        try:
+            node: Any = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        for part in full_key.split(".")[1:]:
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT:
+            found.append(path.stem)
+    return found
 
 
 def _group_given_a_value(error: BaseException) -> UserError | None:
