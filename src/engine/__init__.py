@@ -1,10 +1,7 @@
-"""The engine under the template: safe checkpoints, exact resume, one-line errors, run directories, strategies,
-launch, sweeps and trackers. It never imports the user's project (src/project).
+"""The engine under the template: checkpoints, resume, errors, run dirs, strategies, launch, sweeps, trackers.
 
-The names below are its public API, what the project's code and the entry scripts import; conf/ names its
-callbacks, strategies, loggers and plugins by `_target_`. Each loads on first use: `train.py --help` imports no
-torch.
-"""
+It never imports the user's project (src/project). The names below are its public API (conf/ names the rest by
+`_target_`); each loads on first use, so that `train.py --help` imports no torch."""
 
 from typing import Any
 

@@ -26,9 +26,8 @@ STOPPED_BY_A_SIGNAL = (130, 138, 143)  # 128 + SIGINT, SIGUSR1, SIGTERM: how a r
 def ignore_known_warnings() -> None:
     """In the process that parsed the command line, in a parallel sweep's workers (which start at `run`), in
     ddp_spawn's workers (engine.strategies.ddp) and wherever a Trainer is built (engine.build)."""
-    # Lightning warns on stderr, on every run, on a machine that has srun (every login node of a cluster) but did not
-    # start this run with it; runs under SLURM start with srun (docs/several-nodes-and-slurm.md), and this one was
-    # meant to run here
+    # Lightning warns on every run on a machine that has srun (any login node) but did not start this run with it;
+    # runs under SLURM start with srun (docs/several-nodes-and-slurm.md)
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     # Lightning 2.6 on torch >= 2.9 warns on every run about torch's pytree API; nothing a user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -45,9 +44,8 @@ def _no_service_tips(record: logging.LogRecord) -> bool:
 
 
 def one_console_output() -> None:
-    """Lightning's loggers print through console handlers of their own; under Hydra the root logger already
-    prints (and writes <run>/<task>.log), so every message would show twice, and on stderr, where only
-    `error:` lines belong. A rank that rank 0 started prints nothing: its lines are in its own log."""
+    """Under Hydra the root logger already prints, so Lightning's own console handlers would show every message twice
+    (on stderr, where only `error:` lines belong). A rank that rank 0 started prints nothing: its own log has it."""
     import lightning.pytorch  # noqa: F401  adds its handlers on import: remove them after, not before
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_service_tips)  # added once

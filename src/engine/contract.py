@@ -1,9 +1,7 @@
-"""What a model of yours must be for this template, checked at start with one line each (docs/your-model.md, The
-contract): a LightningModule (a plain nn.Module goes inside ImageClassifier as its `net`); hyperparameters of plain
-values only, so that every checkpoint loads with torch.load(weights_only=True) later (eval, predict, export, resume); a
-test_step when the run tests; and a forward that takes the data's images (channels, size) and, for a classifier,
-has as many outputs as the data has classes. That last one runs the forward on two images of the data's shape on
-the meta device (no memory, no compute) before any data is read."""
+"""What a model must be for this template, checked at start with one line each (docs/your-model.md, The contract).
+
+Hyperparameters must be plain values so every checkpoint loads with torch.load(weights_only=True); the forward is
+checked on two images on the meta device (no memory, no compute) before any data is read."""
 
 from typing import Any
 

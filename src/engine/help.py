@@ -1,10 +1,7 @@
-"""`python train.py --help`: the config groups a user picks, each option with the first line of its file's comment,
-read from conf/ without composing anything.
+"""`python train.py --help`: the config groups a user picks, each option with the first line of its file's comment.
 
-Hydra's own help composes the config repository once per option (147 deep copies here, over a second) and lists
-every group, the test suite's profiles among them. This reads the folder: the options of each group the entry's
-config picks from, the default marked; the test profiles ($PROJECT_PROFILE) and Hydra's internals left out.
-"""
+Read from conf/ without composing: Hydra's own help composes the config once per option (over a second here) and
+lists every group, the test profiles ($PROJECT_PROFILE) and Hydra's internals among them, which this leaves out."""
 
 import re
 from pathlib import Path

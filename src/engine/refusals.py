@@ -35,10 +35,8 @@ def data_refusal_in(error: BaseException) -> UserError | None:
 
 
 def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
-    """A model that fails on the data's batches before its first optimizer step (Lightning's sanity check, the first
-    training batch, an evaluation): the model and the data disagree on a size (a CSV wider than model.features, a
-    sequence longer than the net's block_size). Nothing was trained, so nothing is lost: one line with the batch's
-    shapes and the model's settings the message quotes, in place of torch's traceback from deep inside the net."""
+    """A model failing on the data's batches before its first optimizer step (model and data disagree on a size):
+    one line with the batch's shapes and the quoted settings, in place of torch's deep traceback; else None."""
     import lightning.pytorch as L
     import torch
 

@@ -1,8 +1,7 @@
 """Images to model input: one pipeline for training on an image folder, predicting, and checking an export.
 
-Grey or RGB as the model takes it, resized to its size, pixels scaled to [0, 1] and standardized with the
-training data's statistics: for 28x28 grey digits exactly `engine.data.tensors.normalize`.
-"""
+Grey or RGB as the model takes it, resized, scaled to [0, 1] and standardized with the training data's statistics:
+for 28x28 grey digits exactly `engine.data.tensors.normalize`."""
 
 import os
 import re

@@ -1,9 +1,7 @@
 """What predict.py reads: a folder of images, one image, or an IDX file (MNIST's format), as model input.
 
-Every file is checked before any prediction starts, so a bad one stops the command with one line naming it.
-Images are converted as the training data was (engine.data.images): grey or RGB, resized, normalized;
-with `resize=false` an image of another size is refused instead.
-"""
+Every file is checked before any prediction starts, so a bad one stops the command with one line naming it. Images
+are converted as the training data was (engine.data.images); with `resize=false` another size is refused instead."""
 
 import gzip
 import math

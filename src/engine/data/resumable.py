@@ -1,11 +1,7 @@
 """A training loader that a checkpoint saved mid-epoch continues exactly: same order, next batch.
 
-Lightning saves and restores the `state_dict` of the DataLoader it iterates (never of its sampler) and
-calls `load_state_dict` before the resumed epoch's `iter()`, so the position lives here: the epoch, the
-batches already yielded, and the order's seed (drawn afresh under seed=null, so it must travel with the
-checkpoint). The order is a function of (seed, epoch) alone, and the loader's own generator keeps `iter()`
-from drawing on the global random state, so a resumed run consumes random numbers as the unbroken one did.
-"""
+Lightning checkpoints the DataLoader's `state_dict` (never its sampler's), so the position and the order's seed
+(drawn afresh under seed=null) live here. The loader's own generator keeps `iter()` off the global random state."""
 
 from collections.abc import Iterator
 from typing import Any

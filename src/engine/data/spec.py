@@ -1,8 +1,7 @@
 """What a model trained on some data expects as input, read from the data config a checkpoint stores.
 
-predict.py converts images to it and export.py embeds its normalization, so both need it without the data
-itself (an image folder on another machine, MNIST not downloaded here): only the config is read.
-"""
+predict.py converts images to it and export.py embeds its normalization, so both need it without the data itself
+(an image folder on another machine, MNIST not downloaded here): only the config is read."""
 
 import inspect
 from collections.abc import Sequence
@@ -65,7 +64,6 @@ def images_of(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> In
 
 def input_spec(data: Any, where: str = "data", trusted: Sequence[str] = ()) -> InputSpec:
     """The input of a model trained on the data module `data` (a plain config dict, as a checkpoint holds).
-
     Data modules of images say it themselves with a classmethod `input_spec(config: dict) -> InputSpec`."""
     if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
         raise UserError(f"{where}: holds no data config, so the model's input size and normalization are unknown")

@@ -1,10 +1,7 @@
 """In-memory data: each split is one tensor pair, and a batch is one indexing op.
 
-A per-sample Dataset (PIL image -> ToTensor -> collate) spends more time in Python than a small
-model spends computing. Here the DataLoader still drives iteration with a sampler, so DDP semantics
-hold unchanged (each rank its own shard, reshuffled each epoch through Lightning's set_epoch); the
-dataset just answers a whole list of indices at once.
-"""
+A per-sample Dataset spends more time in Python than a small model spends computing. The DataLoader still iterates
+with a sampler, so DDP semantics hold (each rank its own shard, reshuffled per epoch); the dataset answers lists."""
 
 import os
 from typing import Any
@@ -32,9 +29,8 @@ class TensorDataset(Dataset):
         return self.images[index], self.labels[index]
 
     def __getitems__(self, indices: list[int]) -> tuple[Tensor, Tensor]:
-        # The indices go to a CUDA GPU with non_blocking: a blocking copy waits for every kernel queued before it, a
-        # host sync on every step. From pageable memory CUDA stages the copy at once, so the list can go; MPS may
-        # still read it later (Lightning copies to MPS blocking for that reason), so there the copy blocks.
+        # non_blocking on CUDA: a blocking copy would sync the host every step (pageable memory is staged at once);
+        # MPS may still read the list later (Lightning copies to MPS blocking for that reason), so there it blocks.
         device = self.labels.device
         idx = torch.as_tensor(indices).to(device, non_blocking=device.type == "cuda")
         return self.images[idx], self.labels[idx]
@@ -62,12 +58,8 @@ def split(n: int, sizes: list[int], seed: int) -> list[Tensor]:
 
 
 class TensorDataModule(L.LightningDataModule):
-    """Base for data sets that fit in memory: subclasses fill `self.splits` in `load_splits`.
-
-    `shuffle`: reshuffle the training split every epoch (false: fixed order, for exact comparisons).
-    `on_device`: move the tensors to the training device once (when it is an accelerator), so no batch is
-    copied host-to-device during training. MNIST-sized data (~200 MB as float32) fits on any GPU.
-    """
+    """Base for data sets that fit in memory: subclasses fill `self.splits` in `load_splits`. `shuffle=false`: a fixed
+    order, for exact comparisons; `on_device`: the tensors move to the accelerator once, no batch is copied after."""
 
     num_classes: int | None = None  # how many classes its labels have, where it knows: checked against the model
 

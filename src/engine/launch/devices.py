@@ -53,16 +53,8 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def answer_cuda_checks_without_nvml() -> None:
-    """On a machine without a visible GPU, let torch.cuda.is_available() answer from the CUDA runtime's count
-    (cached by torch) rather than from NVML.
-
-    Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 when it is imported, so that looking for GPUs does not initialize
-    CUDA before processes are forked. torch caches NVML's answer only once CUDA is initialized, which never happens
-    without a GPU, so every is_available() tries to load the NVML library again, and torch's optimizers call it on
-    every step (Adam's step on the MLP: 443 µs against 273 µs, benchmarks/per_call.py; tests/test_step_costs.py
-    counts the lookups). With no GPU visible there is nothing for the runtime's count to initialize. With one, the
-    setting is left as Lightning made it.
-    """
+    """Without a visible GPU, answer torch.cuda.is_available() from the CUDA runtime's cached count: Lightning's NVML
+    check is never cached there, so it reloads NVML on every call, which torch's optimizers make every step."""
     import torch
 
     if os.environ.get(NVML_CHECK) == "1" and torch.cuda.device_count() == 0:

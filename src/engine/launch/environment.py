@@ -1,8 +1,7 @@
 """Who started this process (torchrun, SLURM's srun or sbatch, submitit, or us). No torch imports.
 
-Processes started by an external launcher each compose their own config, so anything they must agree
-on (the run dir) comes from the launcher's environment.
-"""
+Processes started by an external launcher each compose their own config, so anything they must agree on (the run
+dir) comes from the launcher's environment."""
 
 import os
 
@@ -61,9 +60,7 @@ def shares_a_named_dir() -> bool:
 
 def shared_run_name() -> str | None:
     """A run-dir name every process of one launch computes alike, or None when we launch the ranks ourselves.
-
-    SLURM's is stable across a requeue, so the requeued job finds its checkpoints there.
-    """
+    SLURM's is stable across a requeue, so the requeued job finds its checkpoints there."""
     env = os.environ
     if under_torchrun():
         run_id = env["TORCHELASTIC_RUN_ID"]

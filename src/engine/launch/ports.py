@@ -1,11 +1,7 @@
 """The port where the processes of a one-machine run meet, when the user names none.
 
-Lightning takes MASTER_PORT from the kernel (binding port 0): an ephemeral port, which stays unbound until rank 0's
-store listens on it, after the other ranks have started. Meanwhile the kernel may hand the same port to any outgoing
-connection on the machine as its source port (another run's ranks connecting to their store, say), and rank 0 then
-fails with "Address already in use" (seen once in a `make test` of 525 tests). A free port below the ephemeral range
-is never handed out that way.
-"""
+Lightning's MASTER_PORT is an ephemeral port, unbound until rank 0's store listens: the kernel may meanwhile hand it
+to an outgoing connection ("Address already in use"). A free port below the ephemeral range is never handed out so."""
 
 import os
 import secrets
@@ -43,9 +39,8 @@ def free_port(address: str, tries: int = 50) -> int:
 
 
 def check_master_port(address: str, listen: bool) -> int:
-    """MASTER_PORT as the user set it, checked before any other rank starts: a port number, and (`listen`: one
-    machine, where rank 0 hosts the store here) one that rank 0 can listen on now. A rank started before rank 0
-    found its port taken would be left waiting for it."""
+    """MASTER_PORT as the user set it, checked before any other rank starts (`listen`: that rank 0 can listen on it
+    now): a rank started before rank 0 found its port taken would be left waiting for it."""
     value = os.environ["MASTER_PORT"]
     if not (value.strip().isdigit() and 1 <= int(value) <= 65535):
         raise UserError(

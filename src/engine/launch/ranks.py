@@ -1,11 +1,7 @@
 """When a rank dies, the run ends within seconds with one line that names it and its log.
 
-Lightning's launcher re-runs the script for ranks 1..N-1 and checks them every 5 s; when one dies, the
-others hit gloo's "Connection reset by peer" at their next collective and end with a long traceback that
-names only a peer address. Here rank 0 watches its children every half second; the first to notice a death
-(this watcher, or rank 0's own failed collective) prints one `error:` line naming the dead rank and its log
-(`train_ddp_process_<n>.log` in the run dir), stops the other ranks, and exits 1.
-"""
+Lightning checks its children every 5 s, and the others end on gloo's "Connection reset by peer" with a traceback
+naming only an address. Here rank 0 watches them every half second; the first to notice a death reports it once."""
 
 import logging
 import os
@@ -108,9 +104,8 @@ class RankWatchingLauncher(_SubprocessScriptLauncher):
     _met = False  # meeting_port done
 
     def meeting_port(self) -> None:
-        """MASTER_PORT, which Lightning hands to every rank it starts: the user's, checked; else, on one machine, a
-        free port of ours (engine.launch.ports). Once, before any rank starts (engine.build calls it, so that a
-        refusal leaves no run dir); nothing to do in a rank that another process started."""
+        """MASTER_PORT for every rank Lightning starts: the user's, checked, else (one machine) a free port of ours.
+        Once, before any rank starts (engine.build calls it, so that a refusal leaves no run dir)."""
         from engine.launch import ports
 
         if self._met or self.cluster_environment.creates_processes_externally:

@@ -1,7 +1,5 @@
-"""Logging in the processes ddp_spawn starts: a spawned process begins with none configured, so what its ranks log
-(Lightning's set-up, the template's lines, the line that says how a run stopped) went nowhere, and the run's log
-ended where the workers began. A worker now logs where the process that started it does: rank 0 into the run's log
-and to the console, rank r into `<task>_ddp_process_<r>.log` beside it, as ddp's ranks do."""
+"""Logging in the processes ddp_spawn starts, which begin with none configured: a worker logs where the process that
+started it does (rank 0 into the run's log and the console, rank r into `<task>_ddp_process_<r>.log`, as ddp's)."""
 
 import logging
 import sys

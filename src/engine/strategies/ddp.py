@@ -23,12 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """`trainer.sync_batchnorm=true` converts BatchNorm to SyncBatchNorm on CUDA, where it exists.
-
-    torch's SyncBatchNorm has no CPU kernel and DDP refuses it on CPU ("SyncBatchNorm layers only work
-    with GPU modules"), so on CPU (gloo) BatchNorm statistics stay per process, with a warning. The
-    check runs after `accelerator=auto` is resolved, so it holds under torchrun and SLURM too.
-    """
+    """`trainer.sync_batchnorm=true` converts BatchNorm to SyncBatchNorm on CUDA only: DDP refuses it on CPU, where
+    statistics stay per process, with a warning (checked after accelerator=auto resolves, so under torchrun too)."""
 
     rendezvous_timeout_s = 300  # set from launch.rendezvous_timeout_s by engine.build
 
@@ -57,11 +53,8 @@ class DDPStrategy(LightningDDPStrategy):
 
 
 class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
-    """Lightning's launcher for ddp_spawn and ddp_fork, whose every worker ends its process group before it exits. A
-    spawned worker leaves through Python's full exit, whose C++ destructors found gloo's threads still running: a
-    rank aborted at the end of about one CPU run in five ("terminate called without an active exception", SIGABRT,
-    and the run failed after its test had finished). Rank 0 also sends back its best scores and fit progress, and
-    the workers log where the main process does (engine.launch.worker_logs)."""
+    """Lightning's launcher for ddp_spawn and ddp_fork, whose workers end their process group before exiting: at
+    Python's exit gloo's running threads aborted a rank (SIGABRT). Rank 0 also sends back best scores and progress."""
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         from hydra.core.hydra_config import HydraConfig
@@ -99,9 +92,8 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
 
     @contextlib.contextmanager
     def _signals_passed_to_workers(self) -> Iterator[None]:
-        """A signal to the main process alone (`kill <pid>`; a Ctrl-C reaches every process of the terminal's group)
-        goes on to the workers, which stop the run as under ddp: the main process ended at once, and the workers
-        then stopped without the signal's name. Before the workers start, and after they end, it acts as before."""
+        """A signal to the main process alone (`kill <pid>`) goes on to the workers, which then stop the run as under
+        ddp; before the workers start, and after they end, it acts as before."""
         if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
             yield
             return
@@ -145,9 +137,8 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             HydraConfig.instance().set_config(hydra)
         if self._start_method == "fork" and args:
             _own_event_writers(args[0])
-            # Forked after the parent's OpenMP threads ran (its fit, before the test): in the child they are gone,
-            # and the first parallel op waits for them for ever (libgomp is not fork-safe). One thread each (the
-            # variable: Lightning would set its own count when it is unset).
+            # Forked after the parent's OpenMP threads ran: libgomp is not fork-safe, and the first parallel op would
+            # wait for them for ever. One thread each (the variable too: Lightning would set its own when unset).
             torch.set_num_threads(1)
             os.environ["OMP_NUM_THREADS"] = "1"
         logs = getattr(self, "_logs", None)  # set by launch, in the main process
@@ -172,9 +163,8 @@ class ProcessGroupEndingLauncher(_MultiProcessingLauncher):
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
 
-    # Lightning sends back to the main process the weights and callback_metrics only: its trainer then had no best
-    # score (fit_metrics.json without best/val/acc, a sweep without its objective) and logged the test's scalars at
-    # step 0. Rank 0's callback states (the monitor's best, the checkpoints' best scores) and fit progress go too.
+    # Lightning sends back only the weights and callback_metrics (no best score for fit_metrics.json or a sweep):
+    # rank 0's callback states (the monitor's best, the checkpoints' best scores) and fit progress go too.
 
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
         from lightning.fabric.utilities.apply_func import apply_to_collection

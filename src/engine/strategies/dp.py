@@ -1,14 +1,7 @@
 """`strategy="dp"`: torch DataParallel, rebuilt for Lightning 2 (which removed it in 2.0).
 
-One process drives every visible GPU. Each step the batch is split along dim 0 (scatter), the
-LightningModule is copied to each GPU (replicate), every copy runs the whole *step*, model and loss,
-on its chunk in its own thread (parallel_apply), and only the step outputs come back to the root GPU,
-where scalars are averaged weighted by chunk size. Computing the loss in the replicas keeps
-logits and activations off GPU 0, the classic DataParallel memory trap.
-
-`self.log` inside a replica is recorded and logged once on the root (engine.strategies.pieces): plain
-values averaged by chunk size, torchmetrics objects merged into the root's metric.
-"""
+Each replica runs the whole *step*, model and loss, on its chunk, and only the step outputs come back to the root:
+logits and activations stay off GPU 0, the classic DataParallel memory trap. `self.log`: engine.strategies.pieces."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,11 +51,8 @@ def _split(obj: Any, n: int) -> list[Any]:
 
 
 def _replicate_sharing_parameters(network: nn.Module, n: int) -> list[nn.Module]:
-    """torch's replicate without the copy to other devices: shallow module copies whose parameters are
-    non-leaf views of the root's, exactly as in torch's replicas, so gradients flow back to the root.
-
-    Buffers as in torch: its broadcast hands device 0 the root's own tensors and every other device a copy,
-    so replica 0's BatchNorm updates reach the root and the other replicas' updates are lost."""
+    """torch's replicate without the copy to other devices: parameters are non-leaf views of the root's, so gradients
+    flow back; buffers as torch's (replica 0 shares the root's, the others get copies whose updates are lost)."""
     replicas = []
     for index in range(n):
         copies = {m: m._replicate_for_data_parallel() for m in network.modules()}
@@ -91,12 +81,8 @@ def simulated_ops() -> ReplicaOps:
 
 
 class DataParallelStrategy(OneProcessStrategy):
-    """Single-process multi-GPU training (torch DataParallel) as a Lightning 2 strategy.
-
-    Prefer ddp: it is faster and scales past one machine. dp is for one machine when multi-process
-    launching is not possible (notebooks, some schedulers). The global batch is `batch_size`, split
-    across the GPUs; BatchNorm statistics are per replica (sync_batchnorm needs ddp).
-    """
+    """Single-process multi-GPU training (torch DataParallel), for where ddp's processes cannot be launched. The global
+    batch is `batch_size`, split across the GPUs; BatchNorm statistics are per replica (sync_batchnorm needs ddp)."""
 
     strategy_name = "dp"
 

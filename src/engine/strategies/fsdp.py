@@ -1,16 +1,7 @@
 """`trainer.strategy=fsdp`: FSDP2 (torch's `fully_shard`) through Lightning's ModelParallelStrategy.
 
-Each process keeps 1/N of every parameter, gradient and optimizer state; a layer's full weights are
-gathered only while it computes. Lightning's own "fsdp" (FSDPStrategy) wraps FSDP1, which PyTorch is
-retiring, and refuses CPU; FSDP2 runs the same code on CUDA (NCCL) and CPU (gloo), so the CPU tests
-cover the GPU path. What is one FSDP unit is engine.strategies.parallelize's policy (`units=[...]` from config, the
-net's repeated block class otherwise); a LightningModule that does not shard its modules in configure_model
-gets that policy applied by the strategy.
-
-Checkpoints are directories of shards (torch.distributed.checkpoint) by default, written by all ranks
-in parallel and loadable at another world size; `save_distributed_checkpoint=false` gathers one
-ordinary file on rank 0 instead (needs the whole model in CPU memory there).
-"""
+Lightning's own "fsdp" wraps FSDP1, which PyTorch is retiring, and refuses CPU; FSDP2 runs the same code on CUDA and
+CPU (gloo), so the CPU tests cover the GPU path. What is one unit: engine.strategies.parallelize."""
 
 import shutil
 from datetime import timedelta
@@ -57,9 +48,8 @@ class FSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """A sharded checkpoint is written whole into a staging directory and then swapped in by rename, so a
-        kill during the save leaves the previous checkpoint as it was (Lightning rewrites the shards in place
-        and writes meta.pt last: a kill in between leaves new shards beside the old meta.pt)."""
+        """A sharded checkpoint is written into a staging directory and swapped in by rename, so a kill mid-save
+        leaves the previous one whole (Lightning rewrites the shards in place and writes meta.pt last)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # one file: AtomicCheckpointIO
         path = Path(self.broadcast(str(filepath)))
@@ -90,9 +80,8 @@ class FSDPStrategy(ModelParallelStrategy):
         parallelize.shard(self.lightning_module, net, mesh, self.units, self.activation_checkpointing)
 
     def setup(self, trainer: Any) -> None:
-        """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself in place of
-        Lightning's demand that every LightningModule override configure_model. Evaluation runs under no_grad, as
-        Lightning's own FSDP strategy does."""
+        """ModelParallelStrategy.setup, with our sharding policy for a module that did not shard itself (in place of
+        Lightning's demand for configure_model); evaluation runs under no_grad, as Lightning's FSDP strategy does."""
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
         from lightning.pytorch.trainer.states import TrainerFn
@@ -114,9 +103,8 @@ class FSDPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def post_backward(self, closure_loss: Any) -> None:
-        """After the first backward: a parameter without a gradient (a layer forward does not use) never gets an
-        optimizer state under FSDP, and every checkpoint of the run then fails to load ("Missing optimizer state
-        for parameter"), though the fit itself ends well. Refused at the first step instead, on every rank."""
+        """A parameter without a gradient after the first backward never gets an optimizer state under FSDP, so no
+        checkpoint of the run would load ("Missing optimizer state for parameter"): refused then, on every rank."""
         super().post_backward(closure_loss)
         if getattr(self, "_gradients_checked", False):
             return

@@ -1,12 +1,7 @@
-"""How a LightningModule's net is cut into stages (pipe, pipeline) and sharded (fsdp): one place for the
-strategies that spread a net over devices, so that they treat every net alike.
-
-The net is the module's `net` attribute when it has one (the template's ImageClassifier), else the
-LightningModule itself (its forward). The user says where to cut (`trainer.strategy.split_points`: module
-names, cut before each) and what FSDP shards as one unit (`trainer.strategy.units`: class or module names);
-otherwise these choose: cuts balanced over the net's blocks in call order (engine.strategies.split), and FSDP
-units by the net's repeated block class, as torchtitan and litgpt wrap transformer blocks.
-"""
+"""How a LightningModule's net is cut into stages (pipe, pipeline) and sharded (fsdp): one place, so that the
+strategies treat every net alike. The net is the module's `net` attribute, else the LightningModule itself; unless
+the user names them, cuts balance the net's blocks and FSDP units are its repeated block class (as torchtitan and
+litgpt wrap transformer blocks)."""
 
 import time
 from collections.abc import Sequence
@@ -24,9 +19,6 @@ def net_of(module: nn.Module) -> nn.Module:
     """What the strategies spread over devices: `module.net`, or the LightningModule's own forward."""
     net = getattr(module, "net", None)
     return net if isinstance(net, nn.Module) else module
-
-
-# ---------------------------------------------------------------- pipe and pipeline: where to cut
 
 
 def _cut(costs: Sequence[float], stages: int) -> list[int]:
@@ -134,9 +126,6 @@ def describe(plan: cutting.Split) -> str:
     return " ".join(f"[{name} ...]" for name in [plan.blocks[0].name, *plan.names])
 
 
-# ---------------------------------------------------------------- fsdp: what is one unit
-
-
 def _matches(module: nn.Module, path: str, names: set[str]) -> bool:
     cls = type(module)
     return path in names or cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
@@ -168,10 +157,8 @@ def _top_blocks(net: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]
 
 
 def fsdp_units(net: nn.Module, units: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
-    """The modules FSDP shards as one unit each (gathered whole only while they compute), outermost first.
-
-    `units` (class names, qualified class names or module names) when given, else the net's own `fsdp_units`
-    attribute, else its repeated block class, else its top-level blocks that hold parameters."""
+    """The modules FSDP shards as one unit each, outermost first: `units` (class, qualified class or module names),
+    else the net's `fsdp_units` attribute, else its repeated block class, else its top-level blocks with parameters."""
     wanted = units if units else getattr(net, "fsdp_units", None)
     if wanted:
         names = {str(u) for u in wanted}
@@ -188,9 +175,8 @@ def fsdp_units(net: nn.Module, units: Sequence[str] | None = None) -> list[tuple
 
 
 def _tied_together(units: list[nn.Module]) -> list[list[nn.Module]]:
-    """The units in groups that share no parameter with another group: tied weights (a decoder using the encoder's,
-    an output layer the embedding's) must be in one FSDP group, which torch refuses to split ("is shared with a
-    parameter already managed by another FSDP group")."""
+    """The units in groups that share no parameter with another group: tied weights must be in one FSDP group, which
+    torch refuses to split ("is shared with a parameter already managed by another FSDP group")."""
     groups: list[list[nn.Module]] = []
     owners: dict[int, int] = {}  # a parameter's id -> its group
     for unit in units:
@@ -213,11 +199,8 @@ def _tied_together(units: list[nn.Module]) -> list[list[nn.Module]]:
 def shard(
     module: nn.Module, net: nn.Module, mesh: Any, units: Sequence[str] | None = None, recompute: bool = False
 ) -> None:
-    """FSDP2 over the LightningModule's net: each unit, then the net (its remaining parameters: stem, head).
-    When the net is the LightningModule itself, its top-level children are sharded instead of it, so that a
-    training_step calling `self.encoder(x)` directly still gathers what it uses. `recompute`: each unit's
-    activations are not kept for the backward but computed again there (activation checkpointing per unit: less
-    memory for one more forward of each unit). Idempotent."""
+    """FSDP2 over the net: each unit, then the net (or, for the LightningModule itself, its children, so that a step
+    calling `self.encoder(x)` still gathers it). `recompute`: activation checkpointing per unit. Idempotent."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if any(isinstance(m, FSDPModule) for m in net.modules()):

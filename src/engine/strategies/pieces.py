@@ -1,10 +1,7 @@
 """Running a LightningModule step on pieces of a batch and logging once, as one step on the whole batch would.
 
-`dp` splits a batch across GPUs (one replica per piece); `pipeline` across micro-batches. Either way each piece
-runs the user's step, `self.log` calls are recorded instead of logged (several threads or pieces must not write
-into the trainer's one result store), and then logged once: plain values reduced by their `reduce_fx` (the mean
-weighted by piece size), torchmetrics objects merged into the module's own metric (their states add up exactly).
-"""
+Each piece's `self.log` calls are recorded, not logged (several threads must not write into the trainer's one
+result store), then logged once: values by their `reduce_fx`, torchmetrics states merged into the module's metric."""
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,10 +23,8 @@ def first_tensor(obj: Any) -> Tensor | None:
 
 
 def fresh_metric_states(module: nn.Module, device: torch.device) -> None:
-    """Make a replica's metrics its own. Replicas are shallow copies, and a torchmetrics Metric keeps its
-    wrapped `update`/`compute` in its instance dict bound to the original: a replica would update the root's
-    state, from several threads at once. So: rebind them to the replica, and give it empty states on its
-    device (not via reset(), which clears list states in place, the root's included)."""
+    """Make a replica's metrics its own: a shallow copy's `update`/`compute` stay bound to the root's state (updated
+    from several threads). Rebound, with empty states on its device (reset() would clear the root's list states)."""
     for metric in module.modules():
         if isinstance(metric, Metric):
             cls = type(metric)
@@ -91,9 +86,8 @@ def combine(outputs: list[Any], sizes: list[int], root: torch.device) -> Any:
 def log_once(
     module: Any, pieces: list[nn.Module], records: list[list[Record]], sizes: list[int], root: torch.device
 ) -> None:
-    """Log once what every piece logged: metric states combined (also of metrics updated but not logged in the
-    step), plain values reduced by their reduce_fx.
-    `pieces` are the module copies that ran the pieces (their metrics hold the pieces' states)."""
+    """Log once what every piece logged: metric states combined (also of metrics updated but not logged), plain values
+    reduced by their reduce_fx. `pieces`: the module copies that ran the pieces (their metrics hold the states)."""
     names = [[name for name, _, _ in piece_records] for piece_records in records]
     if any(n != names[0] for n in names[1:]):
         raise MisconfigurationException(
@@ -129,11 +123,8 @@ def log_once(
 
 
 def combine_metric(metric: Metric, replica_metrics: list[Metric], root: torch.device, step_value: bool = True) -> None:
-    """Add the replicas' states into the root metric, and set its step value to the whole batch's.
-
-    States are combined through their own reductions (`_reduce_states`), as Metric.forward and DDP's
-    metric sync do: exact for sums, counts, maxima and concatenations, whatever `full_state_update` says.
-    """
+    """Add the replicas' states into the root metric, and set its step value to the whole batch's. Through their own
+    reductions (`_reduce_states`), as DDP's metric sync does: exact whatever `full_state_update` says."""
     step = metric.clone() if step_value else None  # the whole batch's value, for on_step=True logging
     if step is not None:
         step.reset()

@@ -1,21 +1,7 @@
 """`strategy="pipe"`: one process, the net's stages on several devices, micro-batches pipelined (GPipe).
 
-The classic model-parallel tutorial puts the first half of a net on cuda:0 and the second on cuda:1, then
-splits each batch into micro-batches so that stage 2 works on micro-batch i while stage 1 works on i+1. Here
-that is a strategy: the net (any traceable nn.Module, cut before the modules a user names or where the blocks
-balance: engine.strategies.parallelize) becomes one stage per device, and each stage runs in a worker thread of
-its own, so the devices really work at the same time.
-
-Forward follows torchgpipe's fill-drain clock (at tick k, stage j runs micro-batch k - j), except that a
-stage starts a micro-batch as soon as the stage before has handed it over, not when the whole tick is over.
-Each stage's inputs (every value a later stage needs, skip connections too) are detached copies, so the graph
-ends at every cut; the LightningModule sees the
-whole batch's output (the micro-batches concatenated) and computes its loss as on one device, `self.log` and
-metrics unchanged. Backward runs the same clock in reverse in the workers: Lightning's `loss.backward()` only
-reaches the last stage's outputs, then `backward` here sends each micro-batch's gradient back stage by stage.
-Gradients accumulate over the micro-batches and the optimizer steps once per batch, so the steps equal a
-single device's (BatchNorm aside: it normalises each micro-batch with that micro-batch's statistics).
-"""
+Each stage runs in a worker thread of its own (so the devices really work at once) on torchgpipe's fill-drain clock;
+the graph ends at every cut, and `backward` sends each micro-batch's gradient back stage by stage."""
 
 import logging
 import os
@@ -134,12 +120,8 @@ class PipelinedForward:
 
 
 class PipeStrategy(OneProcessStrategy):
-    """Model parallelism in one process: `trainer.devices` stages, `micro_batches` per batch (1: the plain
-    split, one stage busy at a time), or `split_size` rows per micro-batch (the tutorials' knob).
-    Where the net is cut: `split_points` (module names, cut before each: `[layer3]`), or `balance` over its
-    blocks: by parameter count (`params`), by timing (`time`), or blocks per stage (`[4, 8]`). `leaves`: class or
-    module names traced as a whole (a module whose forward torch.fx cannot trace). `threads_per_stage`:
-    intra-op threads of each stage's worker on CPU (default: the cores shared out)."""
+    """Model parallelism in one process: `trainer.devices` stages, `micro_batches` per batch (1: one stage busy at a
+    time) or `split_size` rows per micro-batch; `threads_per_stage`: each CPU stage's threads (default: a share)."""
 
     strategy_name = "pipe"
 

@@ -1,23 +1,7 @@
 """`trainer=pipeline`: pipeline parallelism with one process per stage, on torch.distributed.pipelining.
 
-The net (any traceable nn.Module, cut where the user names or where its blocks balance:
-engine.strategies.parallelize) is cut into stages; each process keeps only its stage's layers and runs a schedule
-(GPipe, 1F1B or interleaved 1F1B) that streams micro-batches through the stages: activations forward, gradients
-backward, between processes. It is our DDPStrategy without the DDP wrapper, so it is launched like `ddp`
-(Lightning's launcher, torchrun, srun); gloo on CPU, NCCL on GPUs.
-
-The LightningModule's steps run unchanged, on the last stage only. In a training schedule, training_step is the
-loss function of each micro-batch, with `self(x)` answering that micro-batch's output; its logs and metric
-updates are discarded. After the schedule it runs once more on the whole batch's output (no graph): that run's
-loss, self.log calls and metric updates are exactly one device's, and the last stage sends them to the other
-stages, which log the same, so callbacks on every rank and loggers on rank 0 see them. Evaluation steps run the
-user's step once, on the whole batch's output.
-
-Every batch is cut into M' equal micro-batches (M' = the largest divisor of the batch size <= micro_batches): the
-mean of M' micro-batch mean losses is the batch's mean loss, so gradients equal one device's (the loss must be a
-mean over the batch). BatchNorm normalises each micro-batch by itself and dropout draws per stage: both differ
-from one device. Checkpoints are one ordinary .ckpt file, gathered on rank 0 (engine.strategies.pipeline_checkpoints).
-"""
+Our DDPStrategy without the DDP wrapper, so launched like `ddp`. Equal micro-batches make gradients one device's
+(the loss must be a batch mean); the user's step runs once more on the whole batch, its logs replayed on every rank."""
 
 import zlib
 from collections.abc import Callable
@@ -86,8 +70,6 @@ class PipelineStrategy(OneCheckpointFile):
         self._error: Exception | None = None  # the user's step failed on this rank during the schedule
         self._example: Any = None  # the module's example_input_array, put aside while the run lasts
 
-    # ------------------------------------------------------------ where this process sits
-
     @property
     def net(self) -> nn.Module:
         assert self._net is not None, "cut in parallelize()"
@@ -147,17 +129,14 @@ class PipelineStrategy(OneCheckpointFile):
             mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("pp", "dp"))
             self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
 
-    # ------------------------------------------------------------ cutting the net
-
     def stages(self, train: bool) -> list[nn.Module]:
         """This rank's stages (one, or stages_per_rank with interleaved 1F1B) for training or evaluation."""
         assert self.mine is not None, "cut in parallelize()"
         return self.mine[train]
 
     def parallelize(self, net: nn.Module) -> None:
-        """Cut `net` (called by the LightningModule's configure_model, or by setup for a module that does not) and
-        keep this rank's stages: every other stage's parameters and buffers leave the net, so that state_dict
-        holds this stage's keys under the full model's names. Idempotent."""
+        """Cut `net` (from configure_model, or setup) and keep this rank's stages: the other stages' tensors leave the
+        net, so that state_dict holds this stage's keys under the full model's names. Idempotent."""
         module = self.lightning_module
         if self.mine is not None or module is None:
             return
@@ -175,9 +154,8 @@ class PipelineStrategy(OneCheckpointFile):
         )
 
     def _plan(self, net: nn.Module) -> Split:
-        """The cut: split_points, or blocks balanced by parameters or by hand; with balance=time rank 0 times each
-        block's forward and backward on a micro-batch (example_input_array, else the first validation batch) on
-        its device and decides for all: timings differ between processes. That runs the whole net once there."""
+        """The cut; with balance=time rank 0 times the blocks on a micro-batch on its device and decides for all
+        (timings differ between processes), which runs the whole net once there."""
         if self.num_stages > 1 and self.split_points is None and self.balance == "time":
             names: list[str] = []
             if self.is_global_zero:
@@ -211,8 +189,6 @@ class PipelineStrategy(OneCheckpointFile):
                 "this run has neither: set one, or use balance=params or a list of blocks per stage"
             )
         return sample
-
-    # ------------------------------------------------------------ setup
 
     def setup(self, trainer: Any) -> None:
         """DDP's setup without the DDP wrapper: this rank's stages on its device, optimizers over its parameters."""
@@ -253,8 +229,6 @@ class PipelineStrategy(OneCheckpointFile):
         if module is not None and self._example is not None:
             module.example_input_array, self._example = self._example, None
         super().teardown()
-
-    # ------------------------------------------------------------ steps
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module

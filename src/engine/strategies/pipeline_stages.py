@@ -1,8 +1,6 @@
-"""The parts of `trainer=pipeline` (engine.strategies.pipeline) that need no process group, testable in one
-process: what a stage holds and what the pipeline refuses; how a batch is cut into micro-batches and which
-schedule runs it; how the last stage runs the user's step and what it sends the other stages so that they log
-the same. How the stages' parts of a checkpoint become one file: engine.strategies.pipeline_checkpoints.
-"""
+"""The parts of `trainer=pipeline` (engine.strategies.pipeline) that need no process group, testable in one process:
+what a stage holds and refuses, micro-batches and schedules, and how the last stage runs the user's step and what
+it sends the other stages so that they log the same. Checkpoints: engine.strategies.pipeline_checkpoints."""
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +17,6 @@ from engine.errors import UserError
 from engine.strategies.split import Split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-# ---------------------------------------------------------------- stages
 
 
 def _tensors(stages: Sequence[nn.Module]) -> set[int]:
@@ -48,10 +44,8 @@ def check_cut(module: nn.Module, net: nn.Module, plan: Split, pp_size: int, stag
 
 
 def keep_only(net: nn.Module, plan: Split, mine: Sequence[int], first: bool) -> None:
-    """Drop from the net what only other ranks' stages use, so that this rank's state_dict holds its own under the
-    full model's names: a layer of another stage as a whole (so its _load_from_state_dict hooks, BatchNorm's, do
-    not ask for keys it no longer has), a tensor of another stage where a module's tensors are shared out. What no
-    stage uses stays on the first stage."""
+    """Drop what only other ranks' stages use (whole layers, so BatchNorm's load hooks ask for no missing keys), so
+    that state_dict holds this rank's own under the full model's names. What no stage uses stays on the first."""
     own = _tensors([s for i in mine for s in (plan.train[i], plan.eval[i])])
     used = _tensors([*plan.train, *plan.eval])
 
@@ -101,16 +95,9 @@ def refuse(module: Any) -> None:
         )
 
 
-# ---------------------------------------------------------------- micro-batches and schedules
-
-
 def micro_batches(batch_size: int, wanted: int, schedule: str, pp_size: int) -> tuple[int, str]:
-    """(M', schedule) for a batch: M' is the largest divisor of the batch size that is at most `wanted`.
-
-    Equal micro-batches are what make the pipeline exact: torch scales gradients by 1/M', which turns M' mean
-    losses into the batch's mean loss only when every micro-batch has the same size; and a stage's receive
-    buffers have one shape. 1F1B needs M' >= the number of stages: below that, GPipe runs that batch (the same
-    arithmetic). Interleaved 1F1B needs M' to be a multiple of its rounds, max(1, M' // pp_size)."""
+    """(M', schedule): M' the largest divisor of the batch size <= `wanted` (equal micro-batches make torch's 1/M'
+    scaling exact); 1F1B with M' < stages runs GPipe; interleaved needs M' a multiple of max(1, M' // pp_size)."""
     for m in range(min(wanted, batch_size), 0, -1):
         if batch_size % m:
             continue
@@ -141,10 +128,8 @@ def narrow(obj: Any, start: int, size: int, total: int) -> Any:
 
 @dataclass
 class Run:
-    """The stages and schedule for one shape of batch. A PipelineStage sizes its receive buffers by the first
-    micro-batch it sees, so each shape (full batches, an epoch's smaller last one, training, evaluation) gets
-    its own, built once. In training, `targets` are what the schedule hands the last stage's loss function:
-    index tensors, one per micro-batch, by which it knows which micro-batch it got."""
+    """The stages and schedule for one batch shape (a PipelineStage sizes its buffers by its first micro-batch).
+    `targets`: index tensors, one per micro-batch, by which the loss function knows which micro-batch it got."""
 
     schedule: Any
     micro_batches: int
@@ -185,8 +170,6 @@ def build_run(strategy: Any, batch_size: int, train: bool, loss_fn: Callable | N
     return Run(schedule, m, batch_size, targets)
 
 
-# ---------------------------------------------------------------- the user's step on the last stage
-
 Record = tuple[str, Any, dict[str, Any]]  # the arguments of one self.log call
 Payload = dict[str, Any]  # what the last stage sends its pipeline after each step
 
@@ -194,10 +177,8 @@ Payload = dict[str, Any]  # what the last stage sends its pipeline after each st
 def call_user(
     module: Any, net: nn.Module, method: str, args: tuple, kwargs: dict, output: Any, records: list[Record]
 ) -> Any:
-    """The LightningModule's step with the net answering `output` (this micro-batch's or the whole batch's, computed
-    by the stages from batch[0]), and its self.log calls recorded instead of logged. Only the net is answered for:
-    whatever the module's forward does around it (a squeeze, a softmax) runs as on one device, and a net asked for
-    anything but batch[0] is refused, since `output` would not be its answer."""
+    """The LightningModule's step with the net answering `output` and self.log calls recorded; the module's forward
+    around the net runs as on one device, and a net asked for anything but batch[0] is refused."""
     x = net_input(args[0])
 
     def answer(*given: Any, **named: Any) -> Any:

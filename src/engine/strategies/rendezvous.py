@@ -1,15 +1,7 @@
-"""Where the processes of a run meet, for every multi-process strategy of this project.
-
-torch's default `env://` rendezvous waits up to the process-group timeout (30 minutes) without a word and
-listens on every interface. Here rank 0's TCPStore listens only on MASTER_ADDR when all processes are on
-one machine, ranks on several nodes say whom they wait for, and the wait ends after
-`launch.rendezvous_timeout_s` with one line that names the fix.
-
-Under torchrun the agent's store is only where rank 0 says where its own store is: the agent keeps one store for
-every restart of its workers, so a process group built in it meets the keys of the attempt before, and a restarted
-rank that read the dead rank 0's address fails or hangs (pytorch#135712; TORCHELASTIC_RESTART_COUNT cannot name
-the attempt: each node's agent counts its own restarts). Rank 0's store lives and dies with its attempt.
-"""
+"""Where a run's processes meet: torch's `env://` waits 30 minutes without a word, on every interface; here rank 0's
+store listens on MASTER_ADDR (one machine) and the wait ends after `launch.rendezvous_timeout_s` with one line.
+Under torchrun the agent's store outlives worker restarts, so a group built in it meets the previous attempt's keys
+(pytorch#135712): rank 0 hosts a store per attempt, and the agent's store only says where it is."""
 
 import logging
 import os
@@ -120,9 +112,8 @@ TOKEN = "project/token"  # in rank 0's store
 
 
 def _store_of_this_attempt(rank: int, world: int, nodes: int, timeout_s: int) -> Any:
-    """Under torchrun: rank 0 hosts a new store on a free port of MASTER_ADDR and writes where it is, with a token,
-    into the agent's store. A restarted rank may read the entry of the attempt before: it takes an entry only once
-    the store there answers with the entry's token (a dead rank 0's port refuses, a reused one has another token)."""
+    """Under torchrun: rank 0 hosts a new store and writes "<port> <token>" into the agent's; another rank takes an
+    entry only once its store answers with its token (a dead rank 0's port refuses, a reused one has another)."""
     import torch.distributed as dist
 
     address, wait = os.environ["MASTER_ADDR"], timedelta(seconds=timeout_s)

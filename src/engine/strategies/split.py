@@ -1,18 +1,7 @@
 """Cutting any traceable net into pipeline stages at module names: the one mechanism of `pipe` and `pipeline`.
 
-The net's forward is traced with torch.fx into a graph of calls in execution order; torch.nn layers stay calls
-of the layer objects themselves. A stage is a piece of that graph that calls the net's own layers: no copies,
-so parameters, BatchNorm buffers and state_dict names stay the net's, and every layer behaves in train and eval
-mode as it does in the net (a forward that reads `self.training` itself is traced once per mode).
-
-A cut "before layer3" puts everything from the first call of layer3 on into the next stage. A stage takes, and
-hands on, every value a later stage still needs, so a skip connection over a cut passes through the stages in
-between, and the stages called one after the other compute exactly what the net computes.
-
-Blocks are where a cut may go when none is named: the net's modules in call order (nested nn.Sequentials
-opened up, torchvision's ResNet: conv1, bn1, relu, maxpool, layer1.0, layer1.1, ..., fc), each with the
-parameters it brings.
-"""
+A stage is a piece of the net's torch.fx graph that calls the net's own layers (no copies: parameters, buffers and
+state_dict names stay the net's), and hands on every value a later stage needs (skip connections too)."""
 
 import dis
 import inspect
@@ -53,12 +42,8 @@ def _asserting(frame: Any) -> bool:
 
 
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer; `leaves` (class names or module names) are kept whole, like torch.nn's layers.
-
-    What users write around their layers is tolerated where its meaning is clear: an `assert` on a traced value
-    (nanoGPT's `assert t <= self.block_size`) becomes torch._assert in the graph, checked when the stage runs
-    (torch.fx's own detection of asserts misses Python 3.11's bytecode); torch._check and torch._check_is_size
-    stay calls. Any other Python control flow on a traced value is still refused, with where it is."""
+    """torch.fx's tracer; `leaves` kept whole. An `assert` on a traced value becomes torch._assert (torch.fx's own
+    detection misses Python 3.11's bytecode); other Python control flow on a traced value is still refused."""
 
     def __init__(self, leaves: Sequence[str]) -> None:
         super().__init__(autowrap_functions=(torch._check, torch._check_is_size))
