@@ -91,6 +91,9 @@ LONG_FILES = (
     "test_service_failures.py",
 )
 LONG = (
+    "test_example_table.py::test_a_csv_wider_or_narrower_than_the_model_is_one_line_and_leaves_no_run",
+    "test_example_text.py::test_sequences_longer_than_the_nets_context_are_one_line_and_leave_no_run",
+    "test_your_model.py::test_a_validation_metric_nobody_logs_is_refused_before_the_first_training_step",
     "test_install.py::test_make_install_checks_every_hash_again_when_the_lock_changed",
     "test_averaging.py::test_a_killed_run_resumes_the_average_bit_for_bit_and_not_without_the_callback",
     "test_averaging.py::test_swa_on_a_users_module_is_the_mean_of_the_epoch_ends_from_start_epoch_on",

@@ -210,6 +210,7 @@ rank = env.global_rank()
 strategy = types.SimpleNamespace(
     _process_group_backend="gloo", _timeout=timedelta(seconds=60), root_device=torch.device("cpu"),
     cluster_environment=env, global_rank=rank, world_size=env.world_size(), num_nodes=1, node_rank=0,
+    set_world_ranks=lambda: None, _get_process_group_backend=lambda: "gloo",
 )
 if os.environ.get("AFTER"):  # start once the other rank waits, and a while after
     while not Path(os.environ["AFTER"]).exists():
