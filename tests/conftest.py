@@ -87,6 +87,7 @@ LONG_FILES = (
     "test_torchrun_nodes.py",
     "test_slurm_nodes.py",
     "test_slurm_three_nodes.py",
+    "test_trackers.py",
     "test_bench_gpu.py",
     "test_service_failures.py",
 )
@@ -146,7 +147,7 @@ LONG = (
     "test_sweeps.py::test_ddp_sweep_runs_each_jobs_config_on_all_its_ranks_and_goes_on_after_a_crashed_rank",
     "test_tensorboard.py::test_the_server_shows_the_runs_by_name_with_their_scalars",
     "test_tensorboard_figures.py::test_an_evaluation_draws_the_test_sets_figures_for_a_users_net",
-    "test_trackers.py::test_a_tracker_run_that_cannot_go_on_ends_the_run_at_once_in_one_line",
+    "test_throughput.py::test_under_pipeline_counting_is_refused_and_the_rates_are_the_pipelines_not_the_stages",
     "test_trainer_options.py::test_ddp_spawn_trains_a_users_own_lightning_module",
     "test_trainer_options.py::test_ddp_spawn_trains_and_tests_on_two_cpu_processes",
     "test_trainer_options.py::test_forked_workers_train_and_test_with_the_default_logger",
