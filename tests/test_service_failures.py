@@ -352,6 +352,16 @@ def test_a_full_disk_under_the_mlflow_store_mid_run_leaves_the_run_going(tmp_pat
 SEARCH = ["-m", "hparams_search=digits_optuna"]
 
 
+def study_on_its_own_disk(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A folder for the study's database (a tmpfs is mounted there) and the search command, with the disk filler."""
+    from conftest import REPO
+
+    store = tmp_path / "store"
+    store.mkdir()
+    storage = f"hydra.sweeper.storage=sqlite:///{store}/optuna.db"
+    return store, [sys.executable, str(REPO / "train.py"), *SEARCH, storage, probe("FillDiskAt")]
+
+
 @pytest.mark.slow
 @needs_namespaces
 def test_a_full_disk_under_a_study_refuses_the_sweep_and_leaves_nothing(tmp_path):
@@ -379,14 +389,9 @@ def test_a_full_disk_under_a_study_mid_sweep_stops_it_and_the_same_command_conti
     """The study's disk fills up as the job of trial 1 ends, before the sweep records its result: one line, the
     jobs' dirs kept, no lock left; room made, the same command continues the study (trial 1 again, then 2).
     Before: StorageInternalError's traceback."""
-    from conftest import REPO, cli_env
+    from conftest import cli_env
 
-    store = tmp_path / "store"
-    store.mkdir()
-    command = [
-        sys.executable, str(REPO / "train.py"), *SEARCH, f"hydra.sweeper.storage=sqlite:///{store}/optuna.db",
-        probe("FillDiskAt"),
-    ]  # fmt: skip
+    store, command = study_on_its_own_disk(tmp_path)
     study = (
         "import json, optuna; s = optuna.load_study(study_name=optuna.get_all_study_names(S)[0], storage=S); "
         "print(json.dumps([[t.number, t.state.name, t.user_attrs.get('interrupted', False)] for t in s.trials]))"
@@ -418,14 +423,9 @@ def test_a_full_disk_under_a_study_mid_sweep_stops_it_and_the_same_command_conti
 @needs_namespaces
 def test_a_full_disk_under_a_study_as_a_job_reports_to_the_pruner_is_one_line(tmp_path):
     """The disk fills as trial 1's second epoch starts: the pruner's report at its validation cannot be written."""
-    from conftest import REPO, cli_env
+    from conftest import cli_env
 
-    store = tmp_path / "store"
-    store.mkdir()
-    command = [
-        sys.executable, str(REPO / "train.py"), *SEARCH, f"hydra.sweeper.storage=sqlite:///{store}/optuna.db",
-        probe("FillDiskAt"),
-    ]  # fmt: skip
+    store, command = study_on_its_own_disk(tmp_path)
     script = (
         f'mount -t tmpfs -o size=2m tmpfs "{store}" && FILL_AT_TRIAL=1 FILL_AT_EPOCH=1 "$@"; echo $? > first.rc; '
         f'rm "{store}/filler" && "$@" 2> second.err; echo $? > second.rc'
