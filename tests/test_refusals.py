@@ -47,7 +47,13 @@ def test_a_failure_after_a_training_step_keeps_its_traceback():
     assert misfit_in(fit(FailsAtStep(at=2), features=10), {}) is None
 
 
+class RefusesItsOptimizer(Regressor):
+    def configure_optimizers(self):
+        raise ValueError("Invalid learning rate: -1.0")
+
+
 def test_an_error_outside_a_modules_step_or_of_another_kind_is_not_a_misfit():
+    assert misfit_in(fit(RefusesItsOptimizer(), features=10), {}) is None  # not on a batch: not the data's doing
     try:
         torch.zeros(2, 3) @ torch.zeros(4, 5)
     except RuntimeError as e:

@@ -53,8 +53,10 @@ def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
     if trainer is None or trainer.global_step > 0:
         return None  # after training steps: a bug of the model's, with its traceback
     batch = next((f.f_locals["batch"] for f in steps if "batch" in f.f_locals), None)
+    if batch is None:  # not on a batch (configure_optimizers, a hook of the module's own): not the data's doing
+        return None
     said = " ".join(str(error).split())[:300]
-    shapes = f" (its batch: {_shapes(batch)})" if batch is not None else ""
+    shapes = f" (its batch: {_shapes(batch)})"
     quoted = _quoted_settings(_plain(model_config), said)
     hint = f"; {', '.join(quoted)} appear in the message" if quoted else ""
     return UserError(
