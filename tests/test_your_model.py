@@ -139,6 +139,25 @@ def test_a_validation_metric_nobody_logs_is_refused_before_the_first_training_st
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_validation_metric_logged_only_after_the_sanity_check_is_not_refused(cli, tmp_path):
+    """The sanity check's metrics decide early only for a name the module's code does not hold."""
+    table = [
+        "~model",
+        "+model._target_=user_tables.QuietInSanityCheck",
+        "~data",
+        "+data._target_=user_tables.DiabetesData",
+    ]
+    cli(
+        "train.py",
+        *table,
+        "monitor.metric=val/mse",
+        "monitor.mode=min",
+        "trainer.accelerator=cpu",
+        "test=false",
+        env=TINY,
+    )
+
+
 @pytest.mark.parametrize(
     ("net", "said"),
     [
