@@ -1,17 +1,14 @@
 """MLflow without a server: runs in a sqlite file under logs/, artifacts beside it (mlflow imported at run start: ~1 s).
 A tracker holds a copy of what the run dir has, so a failing one refuses a run only at start; mid-run, writes go
-through a thread (_Writer), and the first failure is one `warning:` line after which MLflow gets nothing more.
+through a thread (Writer), and the first failure is one `warning:` line after which MLflow gets nothing more.
 """
 
 import contextlib
 import logging
 import posixpath
-import queue
 import re
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from engine.errors import UserError, say
 from engine.loggers import tracking
+from engine.loggers.background_writes import Writer
 from engine.sweeps import mlflow_runs as mlflow_sweep
 
 log = logging.getLogger(__name__)
@@ -80,90 +78,6 @@ def _check_server(tracking_uri: str) -> None:
         ) from e
 
 
-@contextlib.contextmanager
-def _until_a_signal() -> Iterator[threading.Event]:
-    """While the main thread waits for something a signal should cut short: an Event set by SIGTERM and SIGINT, which
-    then reach their own handlers as before (the run's, which stop it; Python's, which raises KeyboardInterrupt)."""
-    came = threading.Event()
-    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
-        yield came
-        return
-    before: dict[int, Any] = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum: int, frame: Any) -> None:
-        came.set()
-        previous = before[signum]
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:  # what it would have done: end the process
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-
-    for signum, previous in before.items():
-        if previous is not None and previous != signal.SIG_IGN:
-            signal.signal(signum, handler)
-    try:
-        yield came
-    finally:
-        for signum, previous in before.items():
-            if previous is not None and previous != signal.SIG_IGN:
-                signal.signal(signum, previous)
-
-
-class _Writer:
-    """The MLflow writes of one run, made in order by a daemon thread of their own: the training loop only queues
-    them. The first one that fails is passed to `failed(error, what)` once, and every write after it is dropped."""
-
-    def __init__(self, failed: Callable[[BaseException, str], None]) -> None:
-        self._failed = failed
-        self.error: BaseException | None = None
-        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._pending = 0
-        self._idle = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def put(self, what: str, job: Callable[[], Any]) -> None:
-        if self.error is not None:
-            return
-        with self._idle:
-            self._pending += 1
-        self._jobs.put((what, job))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mlflow-writes", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            what, job = item
-            try:
-                if self.error is None:
-                    job()
-            except BaseException as e:  # whatever the store or the server did: the run goes on without them
-                self.error = e
-                self._failed(e, what)
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-
-    def wait(self, limit: float | None) -> bool:
-        """Until every queued write is made or dropped, at most `limit` seconds, never past a SIGTERM or SIGINT; then
-        an idle thread ends (the next write starts another). True: all done."""
-        deadline = None if limit is None else time.monotonic() + limit
-        with _until_a_signal() as signalled, self._idle:
-            while self._pending and not signalled.is_set():
-                left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-                if left <= 0:
-                    break
-                self._idle.wait(left)
-            done = not self._pending
-        if done and self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
-        return done
-
-
 class MLFlowLogger(LightningMLFlowLogger):
     """Lightning's MLFlowLogger for a local store, continuing a resumed checkpoint's run: `run_dir` keeps the id,
     `resume_from`'s run dir names the run to continue when `resume`; `run_id` names one outright."""
@@ -221,7 +135,7 @@ class MLFlowLogger(LightningMLFlowLogger):
         self._params: dict[str, str] | None = None  # what the run holds already: MLflow params never change
         self._best_callbacks: list[Any] = []
         self._logged_best: dict[str, float] = {}
-        self._writer: _Writer | None = None
+        self._writer: Writer | None = None
         self._metric_names: dict[str, str] = {}  # a metric's name here -> its name in MLflow
         self._metric_owners: dict[str, str] = {}  # and back: two names here must not become one there
 
@@ -271,10 +185,10 @@ class MLFlowLogger(LightningMLFlowLogger):
         return f"logger.mlflow: tracking_uri={self._tracking_uri}: {tracking.one_line(error)}; {fix}"
 
     @property
-    def writes(self) -> _Writer:
+    def writes(self) -> Writer:
         """Where this run's writes go once it trains: see the module docstring."""
         if self._writer is None:
-            self._writer = _Writer(self._writes_failed)
+            self._writer = Writer(self._writes_failed)
         return self._writer
 
     def _writes_failed(self, error: BaseException, what: str) -> None:
