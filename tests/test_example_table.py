@@ -148,3 +148,16 @@ def test_a_csv_wider_or_narrower_than_the_model_is_one_line_and_leaves_no_run(cl
         assert f", {width}), float32 (" in proc.stderr
         assert "model.features=10" in proc.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_ddp_scores_each_test_row_once_as_one_device_does(cli, tmp_path, trained):
+    """51 test rows on 2 ranks: Lightning's DistributedSampler repeated one row (each rank must run as many batches),
+    and ddp's test/mse was silently off from one device's on the same checkpoint (engine.callbacks.eval_shards)."""
+    scores = {}
+    for name, trainer in (("one", []), ("ddp", ["trainer=ddp", "trainer.accelerator=cpu"])):
+        evaluate = ["eval.py", f"ckpt_path={best(trained)}", "data=diabetes", "data.test_size=51", *trainer]
+        cli(*evaluate, "trainer.limit_test_batches=1.0", "print_config=false", cwd=tmp_path / name, env=TINY)
+        (run,) = run_dirs(tmp_path / name / "logs", task="eval")
+        scores[name] = json.loads((run / "test_metrics.json").read_text())
+    for key in ("test/mse", "test/mae"):
+        assert scores["ddp"][key] == pytest.approx(scores["one"][key], rel=1e-6, abs=0), key

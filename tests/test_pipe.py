@@ -176,7 +176,7 @@ def test_a_training_step_that_never_calls_the_net_is_refused():
     class Direct(ImageClassifier):
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return self.criterion(self.net.fc3(self.net.fc2(torch.zeros(len(x), 120))), y)
+            return self.criterion(self.net.fc3(self.net.fc2(torch.zeros(len(x), 120))), y).mean()
 
     model = Direct(net=TutorialCNN(), optimizer=partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(UserError, match=r"training_step never called the net's forward.*self\(x\)"):

@@ -67,7 +67,9 @@ def test_ddp_with_half_the_batch_per_process_takes_one_devices_steps(tmp_path, s
     stays unshuffled under ddp (Lightning's own sampler would shuffle)."""
     table = [o for o in TABLE if o != "+model.dropout=0.1"] + [f"+data.shuffle={shuffle}", "trainer.max_epochs=2"]
     train(tmp_path / "one", *table, "+data.batch_size=32")
-    train(tmp_path / "ddp", *table, "+data.batch_size=16", "trainer=ddp", "trainer.accelerator=cpu")
+    ddp = train(tmp_path / "ddp", *table, "+data.batch_size=16", "trainer=ddp", "trainer.accelerator=cpu")
+    # its self.log("val/mse", ...) has no sync_dist=True: rank 0's shard alone, which Lightning's warning says
+    assert "It is recommended to use `self.log('val/mse', ..., sync_dist=True)`" in ddp.stderr
     want, got = last_weights(tmp_path / "one"), last_weights(tmp_path / "ddp")
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0)

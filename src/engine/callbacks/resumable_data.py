@@ -15,7 +15,7 @@ from engine.data.resumable import ResumableLoader, ResumableSampler
 log = logging.getLogger(__name__)
 
 # DataLoader arguments carried over as the user set them (the sampler and its batching are replaced)
-_KEPT = (
+KEPT = (
     "num_workers",
     "collate_fn",
     "pin_memory",
@@ -93,7 +93,7 @@ class ResumableData(L.Callback):
             seed=self._order_seed(trainer) if shuffle else 0,
             **(shards or {"num_replicas": 1, "rank": 0}),
         )
-        kept = {name: getattr(loader, name) for name in _KEPT}
+        kept = {name: getattr(loader, name) for name in KEPT}
         if loader.num_workers > 0:
             kept["prefetch_factor"] = loader.prefetch_factor
         return ResumableLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, **kept)

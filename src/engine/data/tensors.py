@@ -106,13 +106,14 @@ class TensorDataModule(L.LightningDataModule):
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dataset = self.splits[name]
+        # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
+        if name != "train":  # shared among processes by engine.callbacks.eval_shards, each sample once
+            return DataLoader(dataset, batch_size=self.batch_size, collate_fn=_batch_as_is)
         # One seeded permutation per epoch, cut into shards: on one device or N, the global batches are the
         # same. (Lightning's own sampler for ddp would also always shuffle, ignoring shuffle=false.)
         seed = self._order_seed() if shuffle else 0
         sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, **self._shard())
-        # num_workers=0: the tensors may live on the GPU, and indexing them is faster than any worker IPC.
-        loader = ResumableLoader if name == "train" else DataLoader  # only training continues mid-epoch
-        return loader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
+        return ResumableLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=_batch_as_is)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=self.shuffle)

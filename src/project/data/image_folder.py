@@ -216,16 +216,16 @@ class ImageFolderDataModule(TensorDataModule):
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dataset = self.datasets[name]
-        seed = self._order_seed() if shuffle else 0
-        sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, **self._shard())
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        loader = ResumableLoader if name == "train" else DataLoader  # training continues mid-epoch on resume
-        return loader(
-            dataset,
+        options: dict[str, Any] = dict(
             batch_size=self.batch_size,
-            sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,  # decoding workers live across epochs
             collate_fn=_without_skipped if self.skip_bad_images else None,
             pin_memory=on_gpu,
         )
+        if name != "train":  # shared among processes by engine.callbacks.eval_shards, each image once
+            return DataLoader(dataset, **options)
+        seed = self._order_seed() if shuffle else 0
+        sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, **self._shard())
+        return ResumableLoader(dataset, sampler=sampler, **options)  # training continues mid-epoch on resume

@@ -40,13 +40,13 @@ class AutoEncoder(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, _ = batch
         reconstruction = self(x)
-        self.log("val/loss", F.mse_loss(reconstruction, x), prog_bar=True)
+        self.log("val/loss", F.mse_loss(reconstruction, x), prog_bar=True, sync_dist=True)  # over all ranks
         if batch_idx == 0 and not self.trainer.sanity_checking:
             self._draw(x[:16], reconstruction[:16])
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, _ = batch
-        self.log("test/loss", F.mse_loss(self(x), x))
+        self.log("test/loss", F.mse_loss(self(x), x), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         """The latent code of each image (predict.py writes one row of `latent` numbers per input)."""

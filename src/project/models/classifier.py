@@ -43,7 +43,7 @@ class ImageClassifier(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.monitor = monitor
-        self.criterion = nn.CrossEntropyLoss()
+        self.criterion = nn.CrossEntropyLoss(reduction="none")  # per sample: an epoch's mean does not hang on batching
         # One metric object per split: their states must not mix (validation runs inside the training epoch).
         # No argument checks and no NaN search per update: each would read the device from the host every step.
         self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
@@ -70,11 +70,12 @@ class ImageClassifier(L.LightningModule):
     def _shared_step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         x, y = batch
         logits = self(x)
-        return self.criterion(logits, y), logits.argmax(dim=1), y
+        return self.criterion(logits, y), logits.argmax(dim=1), y  # the loss of each sample
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, preds, y = self._shared_step(batch)
-        self.train_loss.update(loss.detach())
+        losses, preds, y = self._shared_step(batch)
+        loss = losses.mean()
+        self.train_loss.update(losses.detach())
         self.train_acc.update(preds, y)
         self.log("train/loss_step", loss.detach())  # not in the progress bar: that reads it from the device every step
         return loss
@@ -87,8 +88,8 @@ class ImageClassifier(L.LightningModule):
             self.log("train/acc", self.train_acc, prog_bar=True)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        loss, preds, y = self._shared_step(batch)
-        self.val_loss.update(loss)
+        losses, preds, y = self._shared_step(batch)
+        self.val_loss.update(losses)
         self.val_acc.update(preds, y)
         return {"preds": preds, "target": y}  # for callbacks: the confusion matrix, the sample grid
 
@@ -101,8 +102,8 @@ class ImageClassifier(L.LightningModule):
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        loss, preds, y = self._shared_step(batch)
-        self.test_loss.update(loss)
+        losses, preds, y = self._shared_step(batch)
+        self.test_loss.update(losses)
         self.test_acc.update(preds, y)
         return {"preds": preds, "target": y}  # for callbacks: the test set's confusion matrix and sample grid
 

@@ -1,0 +1,61 @@
+"""engine.callbacks.eval_shards on generated sizes: every sample in exactly one rank's shard, every rank with as many
+batches (a rank with one batch more would wait forever on a collective the others never join), and the batch size
+the largest that allows it."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env, run_dirs, run_python
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+from engine.callbacks.eval_shards import even_batch_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 5000), ranks=st.integers(2, 16), batch_size=st.integers(1, 600))
+def test_shards_hold_each_sample_once_in_as_many_batches(total, ranks, batch_size):
+    lengths = {len(range(rank, total, ranks)) for rank in range(ranks)}
+
+    def even(b: int) -> bool:
+        return len({math.ceil(n / b) for n in lengths}) == 1
+
+    size = even_batch_size(total, ranks, batch_size)
+    if size is None:  # left to Lightning's padding, which the callback says in a warning
+        assert not any(even(b) for b in range(1, batch_size + 1))
+        return
+    assert 1 <= size <= batch_size and even(size) and not any(even(b) for b in range(size + 1, batch_size + 1))
+    shards = [list(UnrepeatedDistributedSampler(range(total), ranks, rank, shuffle=False)) for rank in range(ranks)]
+    assert sorted(i for shard in shards for i in shard) == list(range(total))
+    assert {len(shard) for shard in shards} == lengths
+
+
+@pytest.fixture(scope="module")
+def digits_checkpoint(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("digits")
+    train = [sys.executable, str(REPO / "train.py"), "model=mlp", "test=false", "logger=none", "print_config=false"]
+    proc = run_python(train, work, cli_env(PROJECT_PROFILE="tiny"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = run_dirs(work / "logs")
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    return best
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_templates_data_scores_each_test_digit_once_under_two_processes(cli, tmp_path, digits_checkpoint, strategy):
+    """1,025 test digits on 2 ranks in batches of 64: shards of 513 and 512 would run 9 and 8 batches (fsdp, whose
+    every forward is a collective, would hang), so batches of 63; the accuracy is one device's, to the digit."""
+    evaluate = ["eval.py", f"ckpt_path={digits_checkpoint}", "data=digits", "data.test_size=1025"]
+    scores = {}
+    for name, trainer in (("one", []), (strategy, [f"trainer={strategy}", "trainer.accelerator=cpu"])):
+        proc = cli(*evaluate, *trainer, "print_config=false", cwd=tmp_path / name)
+        (run,) = run_dirs(tmp_path / name / "logs", task="eval")
+        scores[name] = json.loads((run / "test_metrics.json").read_text())
+    assert "The test set in batches of 63, not 64" in proc.stdout + proc.stderr
+    assert scores[strategy]["test/acc"] == scores["one"]["test/acc"]
+    assert scores[strategy]["test/loss"] == pytest.approx(scores["one"]["test/loss"], rel=1e-5)
