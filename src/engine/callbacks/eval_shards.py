@@ -1,7 +1,8 @@
 """Under several processes, every validation and test sample scored once, as on one device. Lightning's (and torch's)
 DistributedSampler pads the last shards with repeated samples so that the ranks run as many batches: a set the ranks
 do not divide was scored with some samples twice. Here each rank takes every world_size-th sample, unpadded, and the
-batch size drops (rarely, by a few) to the largest at which every shard still makes as many batches.
+batch size drops (rarely, by a few) to the largest at which every shard still makes as many batches. Predictions
+Lightning shards unpadded itself: there only the batch size is set, as fsdp's collective forward needs.
 """
 
 import logging
@@ -15,7 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 from engine.callbacks.resumable_data import KEPT
 
 log = logging.getLogger(__name__)
-_LOADERS = {"val_dataloader": "validation", "test_dataloader": "test"}
+_LOADERS = {"val_dataloader": "validation", "test_dataloader": "test", "predict_dataloader": "prediction"}
 
 
 def even_batch_size(total: int, ranks: int, batch_size: int) -> int | None:
@@ -58,11 +59,11 @@ class EvalShards(L.Callback):
         plain = type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler
         if not plain or loader.batch_size is None or loader.drop_last or isinstance(loader.dataset, IterableDataset):
             return loader
-        shards = dict(trainer.strategy.distributed_sampler_kwargs)  # type: ignore[attr-defined]
+        shards = dict(getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1})
         total, ranks = len(loader.dataset), shards["num_replicas"]  # type: ignore[arg-type]
         size = even_batch_size(total, ranks, loader.batch_size)
         if size is None:
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and split != "prediction":  # Lightning's predictions are unpadded
                 log.warning(
                     f"The {split} set's {total} samples cannot be shared by {ranks} ranks in batches of "
                     f"{loader.batch_size} without a rank running one batch more: Lightning repeats "
@@ -74,5 +75,7 @@ class EvalShards(L.Callback):
         kept = {name: getattr(loader, name) for name in KEPT}
         if loader.num_workers > 0:
             kept["prefetch_factor"] = loader.prefetch_factor
+        if split == "prediction":  # Lightning shards it unpadded itself: only the batch size is ours
+            return DataLoader(loader.dataset, batch_size=size, **kept)
         sampler = UnrepeatedDistributedSampler(loader.dataset, shuffle=False, **shards)
         return DataLoader(loader.dataset, batch_size=size, sampler=sampler, **kept)
