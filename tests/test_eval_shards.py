@@ -80,3 +80,27 @@ def test_fsdp_predicts_every_input_once_in_as_many_batches_on_each_rank(cli, tmp
     assert "The prediction set in batches of 6, not 7" in proc.stdout + proc.stderr
     assert [r["name"] for r in rows["fsdp"]] == [r["name"] for r in rows["one"]] and len(rows["one"]) == 29
     np.testing.assert_allclose(probabilities(rows["fsdp"]), probabilities(rows["one"]), atol=2e-6, rtol=0)
+
+
+def test_a_plain_loader_is_sharded_and_one_with_a_sampler_of_its_own_is_said(caplog):
+    """In-process, on a stand-in trainer: rank 1 of 2 gets every other row of 51 in batches of 16 (26 and 25 rows:
+    2 batches each); a loader with a sampler of its own is left to Lightning, with a warning; one rank: unchanged."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+    from engine.callbacks.eval_shards import EvalShards
+
+    rows = TensorDataset(torch.arange(51.0))
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1}), is_global_zero=True
+    )
+    sharded = EvalShards()._unpadded(DataLoader(rows, batch_size=16), trainer, "validation")
+    assert [batch[0].tolist() for batch in sharded] == [list(range(1, 33, 2)), list(range(33, 51, 2))]
+    own = DataLoader(rows, batch_size=16, sampler=WeightedRandomSampler([1.0] * 51, 51))
+    assert EvalShards()._unpadded(own, trainer, "validation") is own
+    assert "may repeat up to 1 of its samples, which the validation numbers count twice" in caplog.text
+    trainer.strategy.distributed_sampler_kwargs = {"num_replicas": 1, "rank": 0}
+    plain = DataLoader(rows, batch_size=16)
+    assert EvalShards()._unpadded(plain, trainer, "validation") is plain

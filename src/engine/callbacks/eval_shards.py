@@ -6,6 +6,7 @@ Lightning shards unpadded itself: there only the batch size is set, as fsdp's co
 """
 
 import logging
+from collections.abc import Sized
 from typing import Any
 
 import lightning.pytorch as L
@@ -56,11 +57,20 @@ class EvalShards(L.Callback):
             self._wrapped = None
 
     def _unpadded(self, loader: DataLoader, trainer: L.Trainer, split: str) -> DataLoader:
-        plain = type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler
-        if not plain or loader.batch_size is None or loader.drop_last or isinstance(loader.dataset, IterableDataset):
-            return loader
         shards = dict(getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1})
-        total, ranks = len(loader.dataset), shards["num_replicas"]  # type: ignore[arg-type]
+        ranks = int(shards["num_replicas"])
+        if ranks < 2 or isinstance(loader.dataset, IterableDataset) or not isinstance(loader.dataset, Sized):
+            return loader
+        total = len(loader.dataset)
+        plain = type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler
+        if not plain or loader.batch_size is None or loader.drop_last:
+            if trainer.is_global_zero and split != "prediction" and total % ranks:
+                log.warning(
+                    f"The {split} loader has a sampler or batching of its own ({type(loader.batch_sampler).__name__}"
+                    f" over {type(loader.sampler).__name__}): Lightning shares it among {ranks} ranks and may repeat "
+                    f"up to {ranks - 1} of its samples, which the {split} numbers count twice"
+                )
+            return loader
         size = even_batch_size(total, ranks, loader.batch_size)
         if size is None:
             if trainer.is_global_zero and split != "prediction":  # Lightning's predictions are unpadded
