@@ -8,7 +8,7 @@ import logging
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import hydra
@@ -79,16 +79,22 @@ def _signature(obj: Any) -> inspect.Signature | None:
             return None
 
 
-def check_options(node: Any, where: str) -> None:
-    """Every key of a `_target_` node must be a parameter of its target, and every plain value must fit its
-    annotation: `max_epoch=3` and `max_epochs=many` fail here, by name, before anything is built."""
+def _targets(node: Any, where: str) -> Iterator[tuple[DictConfig, str]]:
+    """Every `_target_` node in a config, outer ones first, with where it is (`trainer.plugins[0]`)."""
     if isinstance(node, ListConfig):
         for i, item in enumerate(node):
-            check_options(item, f"{where}[{i}]")
-        return
-    if not isinstance(node, DictConfig):
-        return
-    if "_target_" in node:
+            yield from _targets(item, f"{where}[{i}]")
+    elif isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield node, where
+        for key, value in node.items_ex(resolve=False):
+            yield from _targets(value, f"{where}.{key!s}")
+
+
+def check_options(config: Any, at: str) -> None:
+    """Every key of a `_target_` node must be a parameter of its target, and every plain value must fit its
+    annotation: `max_epoch=3` and `max_epochs=many` fail here, by name, before anything is built."""
+    for node, where in _targets(config, at):
         target = node._target_
         try:
             obj = hydra.utils.get_object(target)
@@ -114,20 +120,14 @@ def check_options(node: Any, where: str) -> None:
                 source = f" (from {child._value()})" if OmegaConf.is_interpolation(node, key) else ""
                 expected = _describe(params[key].annotation)
                 raise UserError(f"{where}.{key}={value!r}{source}: {target} expects {expected} for {key!r}")
-    for child_key, value in node.items_ex(resolve=False):
-        check_options(value, f"{where}.{child_key!s}")
 
 
-def _check_factories(node: Any, where: str) -> None:
+def _check_factories(config: Any, at: str) -> None:
     """Optimizers and schedulers are partials that Lightning completes only inside fit; build each once
     on a stand-in parameter now, so `lr=-1` fails at start with the optimizer's own words."""
-    if isinstance(node, ListConfig):
-        for i, item in enumerate(node):
-            _check_factories(item, f"{where}[{i}]")
-        return
-    if not isinstance(node, DictConfig):
-        return
-    if "_target_" in node and node.get("_partial_", False):
+    for node, where in _targets(config, at):
+        if not node.get("_partial_", False):
+            continue
         import torch
 
         cls = hydra.utils.get_object(node._target_)
@@ -144,8 +144,6 @@ def _check_factories(node: Any, where: str) -> None:
                 except Exception as e:
                     raise UserError(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}") from e
                 _first_step(built, optimizer, node, where)
-    for key, value in node.items_ex(resolve=False):
-        _check_factories(value, f"{where}.{key!s}")
 
 
 def _shown(node: DictConfig, key: str) -> str:

@@ -4,13 +4,12 @@ ignores shuffle=False). torchdata's StatefulDataLoader gives the position but no
 """
 
 import logging
-import os
 from typing import Any
 
 import lightning.pytorch as L
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from engine.data.resumable import ResumableLoader, ResumableSampler
+from engine.data.resumable import ResumableLoader, ResumableSampler, order_seed
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +69,9 @@ class ResumableData(L.Callback):
             vars(self._wrapped).pop("train_dataloader", None)
             self._wrapped = None
 
-    def _order_seed(self, trainer: L.Trainer) -> int:
-        """The run's seed; under seed=null one drawn by rank 0 and shared (the shards split one permutation), kept
-        in every checkpoint by the loader."""
+    def _order_seed(self, trainer: L.Trainer) -> int:  # kept in every checkpoint by the loader
         if self._seed is None:
-            seed = os.environ.get("PL_GLOBAL_SEED")
-            drawn = int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little")
-            self._seed = int(trainer.strategy.broadcast(drawn)) if trainer.world_size > 1 else drawn
+            self._seed = order_seed(trainer)
         return self._seed
 
     def _resumable(self, loader: Any, trainer: L.Trainer) -> Any:

@@ -3,6 +3,7 @@
 Lightning checkpoints the DataLoader's `state_dict` (never its sampler's), so the position and the order's seed
 (drawn afresh under seed=null) live here. The loader's own generator keeps `iter()` off the global random state."""
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,3 +64,11 @@ class ResumableLoader(DataLoader):
         self._resume = dict(state)
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.seed = int(state.get("seed", self.sampler.seed))
+
+
+def order_seed(trainer: Any) -> int:
+    """The seed of the training order: the run's, or (seed=null) one drawn by rank 0 and shared, so that the ranks'
+    shards still split one permutation."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    drawn = int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little")
+    return int(trainer.strategy.broadcast(drawn)) if trainer is not None and trainer.world_size > 1 else drawn

@@ -3,7 +3,6 @@
 A per-sample Dataset spends more time in Python than a small model spends computing. The DataLoader still iterates
 with a sampler, so DDP semantics hold (each rank its own shard, reshuffled per epoch); the dataset answers lists."""
 
-import os
 from typing import Any
 
 import lightning.pytorch as L
@@ -11,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from engine.data.resumable import ResumableLoader, ResumableSampler
+from engine.data.resumable import ResumableLoader, ResumableSampler, order_seed
 
 
 class TensorDataset(Dataset):
@@ -95,13 +94,8 @@ class TensorDataModule(L.LightningDataModule):
         return dict(trainer.strategy.distributed_sampler_kwargs)  # type: ignore[attr-defined]
 
     def _order_seed(self) -> int:
-        """The seed of the training order: the run's seed, or (seed=null) a fresh one drawn by rank 0 and
-        shared, so that the ranks' shards still split one permutation."""
         if self._seed is None:
-            seed = os.environ.get("PL_GLOBAL_SEED")
-            drawn = int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little")
-            trainer = self.trainer
-            self._seed = int(trainer.strategy.broadcast(drawn)) if trainer and trainer.world_size > 1 else drawn
+            self._seed = order_seed(self.trainer)
         return self._seed
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
