@@ -174,7 +174,8 @@ def test_a_validation_metric_logged_only_after_the_sanity_check_is_not_refused(c
 def test_a_net_outside_the_classifiers_contract_is_refused_at_start(make_cfg, net, said):
     """Each failed in the first step with a traceback (cross_entropy of a dict or a tuple; an optimizer with an empty
     parameter list) and left a run dir behind; googlenet's training-only tuple passed the start check. The checks
-    train.py makes before anything else is built (a UserError there is one line, exit 2, no run dir: test_cli)."""
+    train.py makes before anything else is built (a UserError there is one line, exit 2, no run dir:
+    test_cli_errors)."""
     from omegaconf import OmegaConf
 
     from engine import contract
