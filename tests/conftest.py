@@ -90,6 +90,7 @@ LONG_FILES = (
     "test_trackers.py",
     "test_bench_gpu.py",
     "test_service_failures.py",
+    "test_service_failures_disk.py",
 )
 LONG = (
     "test_example_table.py::test_a_csv_wider_or_narrower_than_the_model_is_one_line_and_leaves_no_run",

@@ -3,19 +3,17 @@ never a hang, a traceback, SQL or HTML, and the run's own files kept (a tracker 
 it; a study's storage holds the search: the sweep stops, to be continued by the same command).
 
 A full disk is a real one: a small tmpfs, mounted in a mount namespace of the test's own (`unshare -rm`, no root
-needed), filled mid-run by a probe (`FillDiskAt`). A tracking server is MLflow's own (`mlflow server`), stopped
-mid-run with SIGSTOP by a probe (`SignalServiceAt`): it still accepts connections, and never answers.
+needed), filled mid-run by a probe (`FillDiskAt`): tests/test_service_failures_disk.py. A tracking server is MLflow's
+own (`mlflow server`), stopped mid-run with SIGSTOP by a probe (`SignalServiceAt`): it still accepts connections, and
+never answers.
 
-The probes here are Lightning callbacks the runs add with `+callbacks.<name>._target_=test_service_failures.<Probe>`
-(tests/ is on the runs' PYTHONPATH); conftest's helpers are imported inside the tests, so that importing this module
-in a run costs only Lightning.
+The probes are Lightning callbacks in tests/service_probes.py, which the runs add with
+`+callbacks.<name>._target_=service_probes.<Probe>` (tests/ is on the runs' PYTHONPATH).
 """
 
 import contextlib
-import errno
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,67 +22,11 @@ import threading
 import time
 from pathlib import Path
 
-import lightning.pytorch as L
 import pytest
 
 TINY = {"PROJECT_PROFILE": "tiny"}  # 2 epochs of 3 batches
 # MLflow's and Optuna's notes as they make a new store or study (the former silenced by engine.loggers.mlflow since)
 NOT_SAID = (" INFO mlflow.", "INFO  [alembic", "] A new study created in RDB with name: ")
-
-
-# ---------------------------------------------------------------- probes, run inside the runs
-
-
-class SignalServiceAt(L.Callback):
-    """$SERVICE_PGID, $SERVICE_SIGNAL (SIGSTOP: the server accepts and never answers), $AT_EPOCH: the signal goes
-    to the service's process group as that epoch starts; then $MARKER is written, if set."""
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == int(os.environ["AT_EPOCH"]):
-            os.killpg(int(os.environ["SERVICE_PGID"]), getattr(signal, os.environ["SERVICE_SIGNAL"]))
-            if os.environ.get("MARKER"):
-                Path(os.environ["MARKER"]).write_text("sent")
-
-
-def fill(folder: Path) -> None:
-    """Writes folder/filler until the disk under it is full."""
-    with open(folder / "filler", "wb") as out:
-        try:
-            while True:
-                out.write(b"\0" * 65536)
-                out.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-
-
-class FillDiskAt(L.Callback):
-    """$FILL_DIR's disk filled as epoch $FILL_AT_EPOCH starts (of trial $FILL_AT_TRIAL's job, if set: its next report
-    to the pruner fails), or when the test of the sweep job of trial $FILL_AT_TRIAL ends (its last report to the
-    study made, its result not yet told)."""
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        trial = os.environ.get("FILL_AT_TRIAL")
-        if trainer.current_epoch == int(os.environ.get("FILL_AT_EPOCH", "-1")) and (
-            trial is None or os.environ.get("HYDRA_OPTUNA_TRIAL_NUMBER") == trial
-        ):
-            fill(Path(os.environ["FILL_DIR"]))
-
-    def on_test_end(self, trainer, pl_module) -> None:
-        trial = os.environ.get("FILL_AT_TRIAL")
-        if (
-            trial is not None
-            and "FILL_AT_EPOCH" not in os.environ
-            and os.environ.get("HYDRA_OPTUNA_TRIAL_NUMBER") == trial
-        ):
-            fill(Path(os.environ["FILL_DIR"]))
-
-
-class LogNamed(L.Callback):
-    """Logs 1.0 under each name of the JSON list $METRIC_NAMES, every training step."""
-
-    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        for name in json.loads(os.environ["METRIC_NAMES"]):
-            pl_module.log(name, 1.0)
 
 
 # ---------------------------------------------------------------- helpers
@@ -96,7 +38,7 @@ def said(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def probe(name: str) -> str:
-    return f"+callbacks.{name.lower()}._target_=test_service_failures.{name}"
+    return f"+callbacks.{name.lower()}._target_=service_probes.{name}"
 
 
 def free_port() -> int:
@@ -136,26 +78,6 @@ def mlflow_server(folder: Path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def unshare_works() -> bool:
-    try:
-        done = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
-
-needs_namespaces = pytest.mark.skipif(
-    not shutil.which("unshare") or not unshare_works(), reason="needs `unshare -rm` (user and mount namespaces)"
-)
-
-
-def in_a_namespace(cwd: Path, script: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`sh -c script sh args...` in a user and mount namespace of its own, where it can mount a tmpfs: a disk of a
-    few MiB, to fill up."""
-    command = ["unshare", "-rm", "sh", "-c", script, "sh", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 # ---------------------------------------------------------------- error texts
@@ -317,125 +239,6 @@ def test_a_tracking_server_that_stops_answering_mid_run(tmp_path):
         (run,) = run_dirs(second / "logs")
         assert (run / "checkpoints" / "last.ckpt").is_file()
         assert json.loads((run / "fit_metrics.json").read_text())["status"] == "interrupted"
-
-
-# ---------------------------------------------------------------- full disks
-
-
-@pytest.mark.slow
-@needs_namespaces
-def test_a_full_disk_under_the_mlflow_store_mid_run_leaves_the_run_going(tmp_path):
-    """The store (sqlite file and artifacts) on a disk that fills up as epoch 1 starts: one warning line, no SQL,
-    and the run ends as it would have, with every file of its own. Before: a traceback, no fit_metrics.json."""
-    from conftest import REPO, cli_env, run_dirs
-
-    store = tmp_path / "store"
-    store.mkdir()
-    args = [
-        "logger=mlflow",
-        f"logger.mlflow.tracking_uri=sqlite:///{store}/mlflow.db",
-        probe("FillDiskAt"),
-    ]
-    script = f'mount -t tmpfs -o size=8m tmpfs "{store}" && exec "{sys.executable}" "{REPO}/train.py" "$@"'
-    env = cli_env(**TINY, FILL_DIR=str(store), FILL_AT_EPOCH="1")
-    proc = in_a_namespace(tmp_path, script, args, env)
-    lines = said(proc)
-    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("warning: logger.mlflow: ") and "the run goes on without MLflow" in lines[0]
-    assert "disk is full" in lines[0] or "No space left" in lines[0], lines[0]
-    assert "[SQL" not in lines[0] and "INSERT" not in lines[0]
-    (run,) = run_dirs(tmp_path / "logs")
-    assert "val/acc" in json.loads((run / "fit_metrics.json").read_text())
-    assert (run / "test_metrics.json").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
-
-
-SEARCH = ["-m", "hparams_search=digits_optuna"]
-
-
-def study_on_its_own_disk(tmp_path: Path) -> tuple[Path, list[str]]:
-    """A folder for the study's database (a tmpfs is mounted there) and the search command, with the disk filler."""
-    from conftest import REPO
-
-    store = tmp_path / "store"
-    store.mkdir()
-    storage = f"hydra.sweeper.storage=sqlite:///{store}/optuna.db"
-    return store, [sys.executable, str(REPO / "train.py"), *SEARCH, storage, probe("FillDiskAt")]
-
-
-@pytest.mark.slow
-@needs_namespaces
-def test_a_full_disk_under_a_study_refuses_the_sweep_and_leaves_nothing(tmp_path):
-    """logs/ on a disk that is full before the sweep starts: one line, and no lock, no database, no sweep dir left.
-    Before: tracebacks (the lock's flush), an empty sweep dir and a 0-byte lock."""
-    from conftest import REPO, cli_env
-
-    (tmp_path / "logs").mkdir()
-    script = (
-        f'mount -t tmpfs -o size=1m tmpfs logs && "{sys.executable}" -c "import test_service_failures as t, pathlib; '
-        f't.fill(pathlib.Path(\'logs\'))" && "{sys.executable}" "{REPO}/train.py" "$@"; code=$?; '
-        "find logs -mindepth 1 > left.txt; exit $code"
-    )
-    proc = in_a_namespace(tmp_path, script, SEARCH, cli_env(**TINY))
-    lines = said(proc)
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"error: hydra.sweeper.storage=sqlite:///{tmp_path}/logs/optuna.db: ")
-    assert "No space left on device" in lines[0] and "make room there" in lines[0], lines[0]
-    assert (tmp_path / "left.txt").read_text().split() == ["logs/filler"]
-
-
-@pytest.mark.slow
-@needs_namespaces
-def test_a_full_disk_under_a_study_mid_sweep_stops_it_and_the_same_command_continues(tmp_path):
-    """The study's disk fills up as the job of trial 1 ends, before the sweep records its result: one line, the
-    jobs' dirs kept, no lock left; room made, the same command continues the study (trial 1 again, then 2).
-    Before: StorageInternalError's traceback."""
-    from conftest import cli_env
-
-    store, command = study_on_its_own_disk(tmp_path)
-    study = (
-        "import json, optuna; s = optuna.load_study(study_name=optuna.get_all_study_names(S)[0], storage=S); "
-        "print(json.dumps([[t.number, t.state.name, t.user_attrs.get('interrupted', False)] for t in s.trials]))"
-    )
-    script = (
-        f'mount -t tmpfs -o size=2m tmpfs "{store}" && {{ FILL_AT_TRIAL=1 "$@" 2> first.err; echo $? > first.rc; '
-        f'find "{store}" -mindepth 1 -name ".*" > left.txt; rm "{store}/filler"; "$@" 2> second.err; '
-        f'echo $? > second.rc; "{sys.executable}" -c "S = \'sqlite:///{store}/optuna.db\'; {study}" > trials.json; }}'
-    )
-    env = cli_env(**TINY, FILL_DIR=str(store))
-    in_a_namespace(tmp_path, script, command, env)
-    first = [line for line in (tmp_path / "first.err").read_text().splitlines() if line.strip()]
-    first = [line for line in first if not any(n in line for n in NOT_SAID)]
-    assert (tmp_path / "first.rc").read_text().strip() == "2" and len(first) == 1, first
-    assert first[0].startswith(f"error: hydra.sweeper.storage=sqlite:///{store}/optuna.db: cannot be written (")
-    assert "disk is full" in first[0] and "run the same command again" in first[0], first[0]
-    assert "[SQL" not in first[0]
-    (sweep, second_sweep) = sorted((tmp_path / "logs" / "train" / "multiruns").iterdir())
-    assert [p.name for p in sorted(sweep.iterdir()) if p.is_dir()] == ["0", "1"]
-    assert all((sweep / job / "fit_metrics.json").is_file() for job in ("0", "1"))
-    assert (tmp_path / "left.txt").read_text() == ""  # no lock file beside the study
-    assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-3000:]
-    trials = json.loads((tmp_path / "trials.json").read_text())
-    assert [t for t in trials if t[2]] == [[1, "FAIL", True]]  # trial 1, told nothing: interrupted, run again
-    assert sum(1 for t in trials if not t[2] and t[1] in ("COMPLETE", "PRUNED")) == 3
-
-
-@pytest.mark.slow
-@needs_namespaces
-def test_a_full_disk_under_a_study_as_a_job_reports_to_the_pruner_is_one_line(tmp_path):
-    """The disk fills as trial 1's second epoch starts: the pruner's report at its validation cannot be written."""
-    from conftest import cli_env
-
-    store, command = study_on_its_own_disk(tmp_path)
-    script = (
-        f'mount -t tmpfs -o size=2m tmpfs "{store}" && FILL_AT_TRIAL=1 FILL_AT_EPOCH=1 "$@"; echo $? > first.rc; '
-        f'rm "{store}/filler" && "$@" 2> second.err; echo $? > second.rc'
-    )
-    proc = in_a_namespace(tmp_path, script, command, cli_env(**TINY, FILL_DIR=str(store)))
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not any(n in line for n in NOT_SAID)]
-    assert (tmp_path / "first.rc").read_text().strip() == "2" and len(lines) == 1, proc.stderr[-3000:]
-    assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-3000:]
-    assert lines[0].startswith(f"error: hydra.sweeper.storage=sqlite:///{store}/optuna.db: cannot be written (")
-    assert "disk is full" in lines[0] and "run the same command again" in lines[0], lines[0]
 
 
 # ---------------------------------------------------------------- locks
