@@ -25,6 +25,9 @@ TESTS = REPO / "tests"
 
 register()
 
+if (REPO / "conf" / "local" / "default.yaml").exists():  # docs/configuration.md: this machine's own settings
+    raise pytest.UsageError("conf/local/default.yaml changes every run's config, the tests' too: move it aside")
+
 
 def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
     return sorted(p for p in (log_dir / task / "runs").glob("*") if p.is_dir())

@@ -130,3 +130,63 @@ def test_every_config_file_starts_with_a_one_line_summary():
     for path in sorted((REPO / "conf").rglob("*.yaml")):
         line = summary(path)
         assert 0 < len(line) <= 90, f"{path.relative_to(REPO)}: first line {line!r}"
+
+
+@pytest.fixture
+def with_local(tmp_path):
+    """The entry points and conf/ in a folder of their own, with a conf/local/default.yaml made from the example."""
+    import shutil
+
+    for name in ("train.py", "eval.py", "predict.py", "export.py"):
+        shutil.copy(REPO / name, tmp_path / name)
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    local = tmp_path / "conf" / "local" / "default.yaml"
+    example = (tmp_path / "conf" / "local" / "example.yaml").read_text()
+    local.write_text(example.replace("data_dir: ${paths.root_dir}/data", "data_dir: /scratch/me/data"))
+    return tmp_path
+
+
+def _composed(folder, *args):
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    return subprocess.run(
+        [sys.executable, *args], cwd=folder, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+
+
+def test_this_machines_own_settings_reach_every_entry_point_after_an_experiment(with_local):
+    for args in (
+        ["train.py"],
+        ["train.py", "experiment=diabetes", "debug=fdr"],
+        ["eval.py", "ckpt_path=x.ckpt"],
+        ["predict.py", "ckpt_path=x.ckpt"],
+        ["export.py", "ckpt_path=x.ckpt"],
+    ):
+        proc = _composed(with_local, *args, "--cfg", "job", "--package", "paths")
+        assert proc.returncode == 0, proc.stderr
+        assert "data_dir: /scratch/me/data" in proc.stdout.splitlines(), (args, proc.stdout)
+    proc = _composed(with_local, "train.py", "paths.data_dir=/given", "--cfg", "job", "--package", "paths")
+    assert "data_dir: /given" in proc.stdout.splitlines()  # the command line still decides
+    assert "local" not in _composed(with_local, "train.py", "--help").stdout  # not a group a user picks
+
+
+def test_a_key_in_this_machines_settings_that_no_config_declares_is_one_line(with_local):
+    local = with_local / "conf" / "local" / "default.yaml"
+    example = local.read_text()
+    for added, named in (("seeds: 3\n", "local/default"), ("trainer:\n  max_epoch: 3\n", "did you mean 'max_epochs'")):
+        local.write_text(example + added)
+        proc = _composed(with_local, "train.py")
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert named in line and added.split(":")[-2].strip() in line, line
+
+
+def test_git_ignores_this_machines_own_settings_and_keeps_the_example():
+    import subprocess
+
+    ignored = subprocess.run(["git", "check-ignore", "-q", "conf/local/default.yaml"], cwd=REPO)
+    kept = subprocess.run(["git", "check-ignore", "-q", "conf/local/example.yaml"], cwd=REPO)
+    assert ignored.returncode == 0 and kept.returncode == 1
