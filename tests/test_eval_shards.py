@@ -64,7 +64,7 @@ def test_the_templates_data_scores_each_test_digit_once_under_two_processes(cli,
 @pytest.mark.slow
 def test_fsdp_predicts_every_input_once_in_as_many_batches_on_each_rank(cli, tmp_path, digits_checkpoint):
     """29 inputs in batches of 7 on 2 ranks: Lightning's unpadded shards of 15 and 14 ran 3 and 2 batches, and fsdp's
-    collective forward broke (gloo: "a collective mismatch", rank 1 killed); batches of 6 run 3 on each."""
+    collective forward broke (gloo: "a collective mismatch", rank 1 killed); padded shards of 15 run 3 on each."""
     import numpy as np
     from test_predict import probabilities, read_csv, write_idx_images
 
@@ -77,7 +77,6 @@ def test_fsdp_predicts_every_input_once_in_as_many_batches_on_each_rank(cli, tmp
         proc = cli(*predict, "print_config=false", cwd=tmp_path / name)
         (run,) = run_dirs(tmp_path / name / "logs", task="predict")
         rows[name] = read_csv(run / "predictions.csv")
-    assert "The prediction set in batches of 6, not 7" in proc.stdout + proc.stderr
     assert [r["name"] for r in rows["fsdp"]] == [r["name"] for r in rows["one"]] and len(rows["one"]) == 29
     np.testing.assert_allclose(probabilities(rows["fsdp"]), probabilities(rows["one"]), atol=2e-6, rtol=0)
 

@@ -2,7 +2,8 @@
 DistributedSampler pads the last shards with repeated samples so that the ranks run as many batches: a set the ranks
 do not divide was scored with some samples twice. Here each rank takes every world_size-th sample, unpadded, and the
 batch size drops (rarely, by a few) to the largest at which every shard still makes as many batches. Predictions
-Lightning shards unpadded itself: there only the batch size is set, as fsdp's collective forward needs.
+are sharded padded instead (equal shards, as many batches, as fsdp's collective forward needs, at any size): the
+engine's PredictionsWriter drops the repeated inputs.
 """
 
 import logging
@@ -12,7 +13,7 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from engine.callbacks.resumable_data import KEPT
 
@@ -71,9 +72,15 @@ class EvalShards(L.Callback):
                     f"up to {ranks - 1} of its samples, which the {split} numbers count twice"
                 )
             return loader
+        kept = {name: getattr(loader, name) for name in KEPT}
+        if loader.num_workers > 0:
+            kept["prefetch_factor"] = loader.prefetch_factor
+        if split == "prediction":  # padded: Lightning's unpadded shards may run different numbers of batches
+            padded = DistributedSampler(loader.dataset, shuffle=False, **shards)
+            return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=padded, **kept)
         size = even_batch_size(total, ranks, loader.batch_size)
         if size is None:
-            if trainer.is_global_zero and split != "prediction":  # Lightning's predictions are unpadded
+            if trainer.is_global_zero:
                 log.warning(
                     f"The {split} set's {total} samples cannot be shared by {ranks} ranks in batches of "
                     f"{loader.batch_size} without a rank running one batch more: Lightning repeats "
@@ -82,10 +89,5 @@ class EvalShards(L.Callback):
             return loader
         if size != loader.batch_size and trainer.is_global_zero:
             log.info(f"The {split} set in batches of {size}, not {loader.batch_size}: every rank runs as many")
-        kept = {name: getattr(loader, name) for name in KEPT}
-        if loader.num_workers > 0:
-            kept["prefetch_factor"] = loader.prefetch_factor
-        if split == "prediction":  # Lightning shards it unpadded itself: only the batch size is ours
-            return DataLoader(loader.dataset, batch_size=size, **kept)
         sampler = UnrepeatedDistributedSampler(loader.dataset, shuffle=False, **shards)
         return DataLoader(loader.dataset, batch_size=size, sampler=sampler, **kept)
