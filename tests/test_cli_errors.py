@@ -51,6 +51,9 @@ BAD_INPUTS = [
     ("train.py", ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0: must be at least 1"),
     ("train.py", ["model.compile=nonsense"], "compile='nonsense' is not a torch.compile backend"),
     ("train.py", ["model.net.hidden=0"], "model.net: ValueError: widths must be >= 1"),
+    # found by a blind new-user try: Hydra's multi-line ERROR log, then a line with its text's line breaks escaped
+    ("train.py", ["model.net._target_=project.models.my_net.Net"], "No module named 'project.models.my_net' ("),
+    ("train.py", ["model.net._target_=project.models.lenet.LeNett"], "has no 'LeNett'; did you mean 'LeNet'?"),
     ("train.py", ["logger.tensorboard.flush_secs=0"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["logger.tensorboard.flush_secs=true"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
     ("train.py", ["logger.tensorboard.flush_secs=1e-9"], "flush_secs must be a number of seconds from 0.1 to 1e7"),
@@ -97,6 +100,9 @@ def test_bad_input_is_one_error_line_and_no_output(cli, tmp_path, script, overri
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written: not even an empty logs/ folder
+    # nor said: no run directory that is gone again, no config tree of a run that never starts (a blind user went
+    # looking for the directory a refused run had printed)
+    assert "Run directory" not in proc.stdout and "── " not in proc.stdout, proc.stdout[:500]
 
 
 def test_a_refused_run_leaves_the_earlier_runs_files_alone(cli, tmp_path):

@@ -6,9 +6,11 @@ import difflib
 import inspect
 import logging
 import os
+import sys
 import types
 import typing
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -91,15 +93,35 @@ def _targets(node: Any, where: str) -> Iterator[tuple[DictConfig, str]]:
             yield from _targets(value, f"{where}.{key!s}")
 
 
+def _imported(target: str, where: str) -> Any:
+    """`a.b.C`, imported without Hydra's multi-line ERROR log; a failure is one line saying where the target's
+    package was found (another checkout's, by an editable install?) and, for a misspelled name, the close one."""
+    import importlib
+
+    parts, obj = target.split("."), None
+    try:
+        obj = importlib.import_module(parts[0])
+        for i, part in enumerate(parts[1:], start=1):
+            if not hasattr(obj, part) and not hasattr(obj, "__path__"):  # a module or class, not a package
+                raise AttributeError(f"{'.'.join(parts[:i])} has no {part!r}")
+            obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[: i + 1]))
+        return obj
+    except Exception as e:
+        said = f"{where}._target_: cannot import {target!r}: {type(e).__name__}: {' '.join(str(e).split())}"
+        missing = isinstance(e, (ModuleNotFoundError, AttributeError))
+        close = difflib.get_close_matches(parts[-1], dir(obj), n=1) if missing and obj is not None else []
+        said += f"; did you mean {close[0]!r}?" if close else ""
+        origin = getattr(sys.modules.get(parts[0]), "__file__", None)
+        said += f" ({parts[0]} is imported from {Path(origin).parent})" if missing and origin else ""
+        raise UserError(said) from e
+
+
 def check_options(config: Any, at: str) -> None:
     """Every key of a `_target_` node must be a parameter of its target, and every plain value must fit its
     annotation: `max_epoch=3` and `max_epochs=many` fail here, by name, before anything is built."""
     for node, where in _targets(config, at):
         target = node._target_
-        try:
-            obj = hydra.utils.get_object(target)
-        except Exception as e:
-            raise UserError(f"{where}._target_: cannot import {target!r} ({e})") from e
+        obj = _imported(target, where)
         signature = _signature(obj)
         params = signature.parameters if signature is not None else None
         keys = [str(key) for key in node]

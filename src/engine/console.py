@@ -40,7 +40,8 @@ def ignore_known_warnings() -> None:
 def _no_service_tips(record: logging.LogRecord) -> bool:
     """Lightning 2.6 logs, in every run, tips to install its cloud services' packages (litlogger, litmodels): noise
     in every run's console and log, and on a cluster's compute node without internet, advice that cannot apply."""
-    return not str(record.msg).startswith("💡 Tip:")
+    message = str(record.msg)  # and, in every run, that the model summary conf/callbacks/ picks is not Lightning's
+    return not message.startswith("💡 Tip:") and not message.startswith("Trainer already configured with model summary")
 
 
 def one_console_output() -> None:
@@ -74,9 +75,24 @@ def lost_connection(error: BaseException) -> bool:
 TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "paths")
 
 
+_SHOWN: set[str] = set()  # the run directories said at start in this process (a sweep's jobs share it)
+
+
+def show_start(cfg: Any, output_dir: Any) -> None:
+    """The run's directory and its config, once the run is checked and built and about to start, so a refused start
+    says nothing but its error line. Once per run, by rank 0 alone (not by the ranks it starts, nor by torchrun's or
+    srun's other ranks)."""
+    if environment.watched_rank() or environment.global_rank() > 0 or str(output_dir) in _SHOWN:
+        return
+    _SHOWN.add(str(output_dir))
+    logging.getLogger("engine.entry").info("Run directory: %s", output_dir)
+    if cfg.get("print_config", True):
+        print_config_tree(cfg)
+
+
 def print_config_tree(cfg: Any) -> None:
     """The composed config as a Rich tree, one branch per part (data, model, callbacks, ...), on stdout: what this
-    run will build, before it builds anything. `print_config=false` leaves it out."""
+    run builds. `print_config=false` leaves it out."""
     from omegaconf import DictConfig, OmegaConf
     from rich import print as rich_print
     from rich.syntax import Syntax

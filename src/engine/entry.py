@@ -22,7 +22,6 @@ from engine.console import (
     ignore_known_warnings,
     lost_connection,
     one_console_output,
-    print_config_tree,
 )
 from engine.errors import (
     RunEnded,
@@ -298,16 +297,6 @@ def _lost_rank(error: BaseException, run_dir: Path) -> str | None:
     return line
 
 
-def _show_start(cfg: DictConfig, output_dir: Path) -> None:
-    """The run's directory and its config, once (not by the ranks rank 0 started, nor by a rank of torchrun or srun
-    other than rank 0)."""
-    if environment.watched_rank() or environment.global_rank() > 0:
-        return
-    log.info("Run directory: %s", output_dir)
-    if cfg.get("print_config", True):
-        print_config_tree(cfg)
-
-
 def _task(name: str) -> Callable[[DictConfig], Any]:
     """`module:function`, imported only now: torch and Lightning load once the config has passed its checks."""
     import importlib
@@ -347,7 +336,6 @@ def run(task: str, cfg: DictConfig) -> Any:
     with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
         try:
             check_config(cfg)
-            _show_start(cfg, Path(hc.runtime.output_dir))
             function = _task(task)
             one_console_output()
             result = function(cfg)

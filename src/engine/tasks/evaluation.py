@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from engine import build, contract
+from engine.console import show_start
 from engine.errors import RunEnded, UserError
 from engine.runs import checkpoints
 from engine.runs.dirs import make_output_dirs
@@ -60,6 +61,7 @@ class EvalRun:
             sweeps.run_job_in_fresh_process(None)
             raise RunEnded(read_metrics(self.output_dir))
         checkpoints.check_strategy_reads(self.cfg.ckpt_path, trainer.strategy, "evaluate")
+        show_start(self.cfg, self.output_dir)
         return trainer
 
     def tested(self, trainer: Any) -> dict[str, float]:

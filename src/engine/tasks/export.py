@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from engine.console import show_start
 from engine.errors import UserError
 from engine.runs import checkpoints
 from engine.runs.atomic_io import write_file
@@ -177,6 +178,7 @@ def export(cfg: DictConfig) -> Path:
         train_config.get("data"), where=f"ckpt_path={cfg.ckpt_path}: data", trusted=cfg.trusted_packages
     )  # None: not images; the module's own example input
     make_output_dirs(cfg)
+    show_start(cfg, cfg.paths.output_dir)
     module, example, input_name = _example(model, spec, train_config, list(cfg.trusted_packages))
     classes = class_names(model, cfg.ckpt_path, train_config)
     output_name = OUTPUT_NAME if classes else "output"

@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from engine import build
+from engine.console import show_start
 from engine.errors import RunEnded, UserError
 from engine.runs import checkpoints
 from engine.runs.dirs import make_output_dirs
@@ -137,6 +138,7 @@ class PredictRun:
         if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
             sweeps.run_job_in_fresh_process(None)
             raise RunEnded(self.output_dir)
+        show_start(self.cfg, self.output_dir)
         return trainer
 
     def predicted(self, trainer: Any) -> Path:

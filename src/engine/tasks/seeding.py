@@ -17,7 +17,7 @@ def seed_run(seed: int | None, matmul_precision: str | None = None) -> None:
         torch.set_float32_matmul_precision(matmul_precision)
 
     if seed is not None:
-        L.seed_everything(seed, workers=True)
+        L.seed_everything(seed, workers=True, verbose=False)  # the config tree at start shows it
         return
     # An earlier job of this sweep process may have seeded everything: draw fresh state from the OS instead,
     # and make sure no rank or later process inherits that job's seed.

@@ -13,6 +13,7 @@ from engine import build, contract
 from engine.callbacks import averaging
 from engine.callbacks.monitor import Monitor, best_key
 from engine.callbacks.schedule import StretchSchedule
+from engine.console import show_start
 from engine.errors import RunEnded
 from engine.runs import checkpoints, resume
 from engine.runs.dirs import continuing, make_output_dirs
@@ -60,6 +61,7 @@ class TrainRun:
         cfg = self.cfg
         datamodule, model = build.instantiate(cfg.data, "data"), build.instantiate(cfg.model, "model")
         self._check(model, datamodule)
+        show_start(cfg, self.output_dir)
         report = tune.find(cfg, model, datamodule, self.output_dir)
         log.info("%s", tune.said(report, applied=bool(cfg.tune.apply)))
         if not cfg.tune.apply:
@@ -93,6 +95,7 @@ class TrainRun:
             checkpoints.check_strategy_reads(self.ckpt_path, trainer.strategy, "resume" if cfg.train else "test")
         if sweeps.is_multirun() and sweeps.launches_rank_scripts(trainer):
             raise RunEnded(sweeps.run_job_in_fresh_process(self._objective_name()))
+        show_start(cfg, self.output_dir)
         hand_over = getattr(trainer.strategy.checkpoint_io, "hand_over", None)
         if self.ckpt_path and hand_over is not None:
             hand_over(self.ckpt_path, self._resumed)
