@@ -128,3 +128,11 @@ def copies() -> dict[str, Path]:
 @pytest.mark.parametrize(("page", "command", "expected"), CASES)
 def test_doc_command(copies, tmp_path_factory, page, command, expected):
     run_page_command(copies, tmp_path_factory, page, command, expected)
+
+
+def test_the_readmes_net_node_is_the_one_of_the_file_it_says_to_copy():
+    """A blind new-user try copied conf/model/tiny_cnn.yaml and found other arguments than the README showed."""
+    (block,) = re.findall(r"```yaml\n(net:.*?)```", README.read_text(), re.S)
+    shown = yaml.safe_load(block)["net"]
+    copied = yaml.safe_load((REPO / "conf" / "model" / "tiny_cnn.yaml").read_text())["net"]
+    assert shown == copied

@@ -44,15 +44,27 @@ def _run_choices() -> tuple[dict[str, str], list[str]]:
 
 def sweep_job_name() -> str:
     """In a sweep, what this job changes (`model=mlp,seed=1`), so that TensorBoard's run list says which run is
-    which; a single run keeps its directory's name (its start time) alone."""
+    which: a key the sweep's command line gave one value for every job (multirun.yaml, written by Hydra's sweeper
+    before any job) tells nothing apart. A single run keeps its directory's name (its start time) alone."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
+    from omegaconf import OmegaConf
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return ""
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("profile=", "hydra.", "++hydra."))]
-    name = ",".join(o.lstrip("+~").replace("/", "-") for o in overrides)
-    return name[:120] or f"job{HydraConfig.get().job.num}"
+    hydra, parser = HydraConfig.get(), OverridesParser.create()
+    try:
+        given = parser.parse_overrides(
+            list(OmegaConf.load(os.path.join(hydra.sweep.dir, "multirun.yaml")).hydra.overrides.task)
+        )
+        alike = {o.key_or_group for o in given if not o.is_sweep_override()}
+    except Exception:  # a sweeper that writes none: every override names the job
+        alike = set()
+    mine = [o for o in hydra.overrides.task if not o.startswith(("profile=", "hydra.", "++hydra."))]
+    keys = [o.key_or_group for o in parser.parse_overrides(mine)]
+    name = ",".join(o.lstrip("+~").replace("/", "-") for o, key in zip(mine, keys) if key not in alike)
+    return name[:120] or f"job{hydra.job.num}"
 
 
 def masked_crc32c(data: bytes) -> int:
