@@ -22,6 +22,16 @@ from engine.strategies import rendezvous
 log = logging.getLogger(__name__)
 
 
+def in_floating_point(tensor: Any, reduce_op: Any) -> Any:
+    """An integer tensor to average over the ranks, as float64: Lightning's mean divides the integer sum by the world
+    size in integer arithmetic, so an epoch's `self.log(..., sync_dist=True)` mean, whose sample count is such a
+    tensor, was off whenever the ranks' counts summed to a number the ranks do not divide (51 on 2 ranks: 25)."""
+    averaged = str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg")
+    if isinstance(tensor, torch.Tensor) and averaged and not (tensor.is_floating_point() or tensor.is_complex()):
+        return tensor.double()
+    return tensor
+
+
 class DDPStrategy(LightningDDPStrategy):
     """`trainer.sync_batchnorm=true` converts BatchNorm to SyncBatchNorm on CUDA only: DDP refuses it on CPU, where
     statistics stay per process, with a warning (checked after accelerator=auto resolves, so under torchrun too)."""
@@ -39,6 +49,9 @@ class DDPStrategy(LightningDDPStrategy):
                 )
             self._layer_sync = None
         super().setup(trainer)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return super().reduce(in_floating_point(tensor, reduce_op), group, reduce_op)
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()

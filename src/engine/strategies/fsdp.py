@@ -16,6 +16,7 @@ from engine.errors import UserError
 from engine.launch.ranks import RankWatchingLauncher
 from engine.runs.atomic_io import fsync_dir
 from engine.strategies import parallelize, rendezvous
+from engine.strategies.ddp import in_floating_point
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -67,6 +68,9 @@ class FSDPStrategy(ModelParallelStrategy):
             fsync_dir(path.parent)
             shutil.rmtree(old, ignore_errors=True)
         self.barrier("checkpoint swapped")
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return super().reduce(in_floating_point(tensor, reduce_op), group, reduce_op)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
