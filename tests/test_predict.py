@@ -157,3 +157,22 @@ def test_bad_inputs_end_in_one_line_and_leave_no_run_dir(cli, tmp_path, checkpoi
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
         assert proc.stderr.startswith("error: ") and message in proc.stderr
     assert not (tmp_path / "logs" / "predict").exists()
+
+
+def test_a_list_of_predict_loaders_keeps_every_loaders_outputs(tmp_path):
+    """Two predict loaders of 7 rows each: both count sample 0..6, and the writer, dropping a repeated index as ddp's
+    padding, kept only the first loader's 7 (a blind hostile try; on one device too). Each loader's are kept, in
+    loader order."""
+    from types import SimpleNamespace
+
+    from engine.callbacks.predictions import PredictionsWriter
+
+    writer = PredictionsWriter(tmp_path)
+    for loader in (0, 1):
+        for batch_idx, rows in enumerate(([0, 1, 2, 3], [4, 5, 6])):
+            outputs = torch.tensor([[10.0 * loader + r] for r in rows])
+            writer.write_on_batch_end(None, None, outputs, rows, {"x": outputs}, batch_idx, loader)
+    writer.on_predict_epoch_end(SimpleNamespace(world_size=1, is_global_zero=True), None)
+    saved = torch.load(tmp_path / "predictions.pt", weights_only=True)
+    assert saved["outputs"].flatten().tolist() == [*range(7), *range(10, 17)]
+    assert len(saved["names"]) == 14

@@ -57,16 +57,23 @@ class PredictionsWriter(BasePredictionWriter):
         super().__init__(write_interval="batch")
         self.folder = folder
         self.classes = list(classes) if classes else None
-        self.indices: list[list[int]] = []
+        self.indices: list[list[tuple[int, int]]] = []  # (predict loader, sample index): each loader counts from 0
         self.names: list[list[str] | None] = []
         self.outputs: list[Any] = []
 
     def write_on_batch_end(
-        self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any, batch: Any, *_: Any
+        self,
+        trainer: Any,
+        pl_module: Any,
+        prediction: Any,
+        batch_indices: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         if batch_indices is None or not len(batch_indices):
             raise RuntimeError("predictions need a DataLoader with a batch sampler: Lightning gave no batch indices")
-        self.indices.append(list(batch_indices))
+        self.indices.append([(dataloader_idx, int(i)) for i in batch_indices])
         names = batch.get("name") if isinstance(batch, dict) else None
         self.names.append([str(n) for n in names] if isinstance(names, (list, tuple)) else None)
         self.outputs.append(tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, prediction))
@@ -127,10 +134,10 @@ def _text(name: str) -> str:
     return name.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
 
 
-def _in_input_order(indices: list[int], outputs: list[Any]) -> tuple[Any, list[int]]:
-    """The batches' outputs as one structure, row i for the i-th distinct input index in index order (a repeated
-    index, ddp's padding, counts once), and the positions kept."""
-    first: dict[int, int] = {}
+def _in_input_order(indices: list[tuple[int, int]], outputs: list[Any]) -> tuple[Any, list[int]]:
+    """The batches' outputs as one structure, row i for the i-th distinct (loader, input index) in that order (a
+    repeated one, ddp's padding, counts once), and the positions kept."""
+    first: dict[tuple[int, int], int] = {}
     for position, index in enumerate(indices):
         first.setdefault(index, position)
     order = [first[i] for i in sorted(first)]
