@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from engine.callbacks.resumable_data import KEPT
@@ -42,11 +43,15 @@ class EvalShards(L.Callback):
         if trainer.world_size < 2 or datamodule is None:
             return
         for name, split in _LOADERS.items():
-            if name not in vars(datamodule):
+            if name not in vars(datamodule) and hasattr(datamodule, name):
                 original = getattr(datamodule, name)
 
                 def sharded(original: Any = original, split: str = split) -> Any:
-                    return apply_to_collection(original(), DataLoader, self._unpadded, trainer, split)
+                    loaders = original()
+                    if isinstance(loaders, CombinedLoader):  # its DataLoaders, which Lightning would shard padded
+                        loaders.flattened = [self._sharded(each, trainer, split) for each in loaders.flattened]
+                        return loaders
+                    return apply_to_collection(loaders, DataLoader, self._unpadded, trainer, split)
 
                 setattr(datamodule, name, sharded)  # instance attributes, taken back at teardown
         self._wrapped = datamodule
@@ -57,19 +62,27 @@ class EvalShards(L.Callback):
                 vars(self._wrapped).pop(name, None)
             self._wrapped = None
 
+    def _sharded(self, loader: Any, trainer: L.Trainer, split: str) -> Any:
+        return self._unpadded(loader, trainer, split) if isinstance(loader, DataLoader) else loader
+
     def _unpadded(self, loader: DataLoader, trainer: L.Trainer, split: str) -> DataLoader:
         shards = dict(getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1})
         ranks = int(shards["num_replicas"])
         if ranks < 2 or isinstance(loader.dataset, IterableDataset) or not isinstance(loader.dataset, Sized):
             return loader
+        if isinstance(loader.sampler, UnrepeatedDistributedSampler):  # ours already: test_dataloader returning val's
+            return loader
         total = len(loader.dataset)
         plain = type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler
         if not plain or loader.batch_size is None or loader.drop_last:
-            if trainer.is_global_zero and split != "prediction" and total % ranks:
+            sampled = len(loader.sampler) if isinstance(loader.sampler, Sized) else total  # a subset's own length
+            if trainer.is_global_zero and split != "prediction" and (sampled % ranks or loader.drop_last):
+                dropping = ", drop_last" if loader.drop_last else ""
                 log.warning(
                     f"The {split} loader has a sampler or batching of its own ({type(loader.batch_sampler).__name__}"
-                    f" over {type(loader.sampler).__name__}): Lightning shares it among {ranks} ranks and may repeat "
-                    f"up to {ranks - 1} of its samples, which the {split} numbers count twice"
+                    f" over {type(loader.sampler).__name__}{dropping}): Lightning shares it among {ranks} ranks and "
+                    f"may repeat or leave out some of its samples, which makes the {split} numbers differ from one "
+                    "device's"
                 )
             return loader
         kept = {name: getattr(loader, name) for name in KEPT}
