@@ -98,6 +98,9 @@ LONG_FILES = (
 LONG = (
     "test_example_table.py::test_ddp_scores_each_test_row_once_as_one_device_does",
     "test_eval_shards.py::test_fsdp_predicts_every_input_once_in_as_many_batches_on_each_rank",
+    "test_eval_shards.py::test_a_value_logged_with_sync_dist_is_one_devices_when_the_ranks_scored_an_odd_number",
+    "test_eval_shards.py::test_the_templates_data_scores_each_test_digit_once_under_two_processes",
+    "test_example_table.py::test_fsdp_predicts_three_rows_one_per_batch_as_one_device_does",
     "test_example_table.py::test_a_csv_wider_or_narrower_than_the_model_is_one_line_and_leaves_no_run",
     "test_example_text.py::test_sequences_longer_than_the_nets_context_are_one_line_and_leave_no_run",
     "test_your_model.py::test_a_validation_metric_nobody_logs_is_refused_before_the_first_training_step",

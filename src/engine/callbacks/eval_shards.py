@@ -89,7 +89,7 @@ class EvalShards(L.Callback):
         if loader.num_workers > 0:
             kept["prefetch_factor"] = loader.prefetch_factor
         if split == "prediction":  # padded: Lightning's unpadded shards may run different numbers of batches
-            padded = DistributedSampler(loader.dataset, shuffle=False, **shards)
+            padded: DistributedSampler = DistributedSampler(loader.dataset, shuffle=False, **shards)
             return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=padded, **kept)
         size = even_batch_size(total, ranks, loader.batch_size)
         if size is None:
