@@ -165,6 +165,7 @@ LONG = (
     "test_tune.py::test_apply_trains_with_the_value_as_the_override_would",
     "test_tune.py::test_the_lr_finder_on_a_users_net_writes_its_plot_and_the_override_and_trains_nothing",
     "test_your_data.py::test_a_plain_dataloader_resumes_mid_epoch_bit_for_bit",
+    "test_your_data.py::test_a_batch_sampler_lightning_cannot_shard_is_one_line_under_ddp",
     "test_your_model.py::test_a_net_with_a_layer_forward_does_not_use_is_refused_in_one_line_by_ddp_and_fsdp",
     "test_your_model.py::test_predict_runs_a_users_module_without_a_predict_step_on_its_images",
     "test_your_model.py::test_resuming_a_users_module_with_other_arguments_is_refused_in_one_line",

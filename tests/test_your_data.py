@@ -83,3 +83,15 @@ def test_a_monitored_metric_that_stops_being_logged_is_refused_not_reused(tmp_pa
         "error: LogsOnce logged val/mse in the validation of epoch 0 but not in epoch 1's: monitor.metric would judge "
         "the run on a stale value; log it at every validation, or monitor another metric (monitor.metric)"
     )
+
+
+def test_a_batch_sampler_lightning_cannot_shard_is_one_line_under_ddp(tmp_path):
+    """A bucketing batch sampler of the user's own (not torch's BatchSampler) under ddp: Lightning's TypeError came
+    with both ranks' tracebacks, exit 1, and the run dir stayed (a blind hostile try). One line, in conf's words."""
+    table = [o.replace("user_tables.DiabetesData", "user_tables.BucketedDiabetesData") for o in TABLE]
+    proc = train(tmp_path, *table, "trainer=ddp", "trainer.max_epochs=1", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: data: under several processes, Lightning can't inject a (distributed) sampler")
+    assert "set `trainer.use_distributed_sampler=false`" in line
+    assert not run_dirs(tmp_path / "logs")

@@ -34,6 +34,21 @@ def data_refusal_in(error: BaseException) -> UserError | None:
     return UserError(f"data: {type(error).__name__}: {' '.join(str(error).split())}")
 
 
+def unshardable_loader_in(error: BaseException) -> UserError | None:
+    """A DataLoader that Lightning cannot rebuild with its distributed sampler (a batch sampler of the user's own,
+    not torch's BatchSampler), raised in Lightning's module that rebuilds it: one line with Lightning's fix, in
+    this project's words."""
+    frames = list(_frames(error))
+    if not isinstance(error, TypeError) or not frames:
+        return None
+    if frames[-1].f_globals.get("__name__") != "lightning.pytorch.utilities.data":
+        return None
+    said = " ".join(str(error).split()).replace(
+        "Trainer(use_distributed_sampler=False)", "trainer.use_distributed_sampler=false"
+    )
+    return UserError(f"data: under several processes, {said}")
+
+
 def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
     """A model failing on the data's batches before its first optimizer step (model and data disagree on a size):
     one line with the batch's shapes and the quoted settings, in place of torch's deep traceback; else None."""
