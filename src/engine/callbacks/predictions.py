@@ -1,6 +1,7 @@
 """What `predict_step` returns, one entry per input in input order, written once by rank 0 whatever the strategy.
-Under ddp, Lightning's DistributedSampler pads the last shard by repeating inputs: every rank's batch indices are
-gathered on rank 0, which drops the repeats and puts the outputs in order.
+Under several processes the predict loader is sharded padded (engine.callbacks.eval_shards: as many batches on every
+rank), repeating a few inputs: every rank's (loader, index) pairs are gathered on rank 0, which drops the repeats and
+puts the outputs in order.
 """
 
 import csv
