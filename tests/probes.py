@@ -159,7 +159,8 @@ class KillAt(L.Callback):
     scheduler's kill -9 or a lost node would, once the checkpoints saved before it are on disk (the writer thread
     finishes a save a few milliseconds after it was made), or at once with $KILL_WITHOUT_WAITING=1 (the newest
     save may then be lost; the one before is whole). $KILL_SIGNAL=<name> sends another signal (SIGTERM: a
-    scheduler's stop). $STEP_SLEEP=<s> slows every step (time to send signals). $KILL_AT_HOOK: see below."""
+    scheduler's stop). $STEP_SLEEP=<s> slows every step (time to send signals). $KILL_AT_HOOK: see below.
+    $HANG_AT_STEP=<k>: rank 1 waits forever in C as step k starts (a collective that another rank never joins)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         if "PROBE_DIR" in os.environ:
@@ -185,6 +186,11 @@ class KillAt(L.Callback):
             state = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
             (probe_dir() / f"rng_{trainer.global_rank}").write_text(f"{state} {batch[1].tolist()}")
         time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+        hang_at = os.environ.get("HANG_AT_STEP")
+        if hang_at is not None and trainer.global_step == int(hang_at) and trainer.global_rank == 1:
+            (probe_dir() / "hanging").write_text(str(os.getpid()))
+            torch.distributed.recv(torch.zeros(1), src=0)  # a message that never comes: this rank waits in C, and
+            # rank 0 in the step's gradient all-reduce, as ranks whose data gives them unequal batch counts do
         kill_at = os.environ.get("KILL_AT_STEP")
         if kill_at is not None and trainer.global_step == int(kill_at):
             if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):

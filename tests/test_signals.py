@@ -2,6 +2,7 @@
 rank at the same step, whenever they come (set-up, a step, validation, an epoch's last batch, the test); Ctrl-C
 outside a run is one line; a sweep's next job starts with the handlers the sweep had."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -177,6 +178,37 @@ def test_sigterm_to_one_ddp_rank_during_the_test_stops_the_test(tmp_path):
     assert line == "stopped by SIGTERM during test: training had finished; test it again with eval.py", line
     (run,) = run_dirs(tmp_path / "work" / "logs")
     assert json.loads((run / "test_metrics.json").read_text())["status"] == "interrupted"
+
+
+def test_a_second_sigterm_ends_ranks_that_wait_on_each_other_at_once(tmp_path):
+    """Ranks blocked in a collective (a rank that never joins: unequal batch counts under fsdp) run no Python signal
+    handler: every SIGTERM was ignored until gloo's 30-minute timeout. The first is still the run's to act on."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
+    proc = start(tmp_path / "work", *ddp, env={"PROBE_DIR": str(probe), "HANG_AT_STEP": "2"})
+    wait_for(probe / "hanging")
+    pids = [int(wait_for(probe / f"pid_{rank}")) for rank in (0, 1)]
+    time.sleep(1)  # rank 0 is in the step's all-reduce by now
+    for pid in pids:  # as a terminal's Ctrl-C, or scancel, reaches every rank
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(2)
+    assert proc.poll() is None  # the first is not acted on while the ranks wait
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr[-2000:]
+    (line,) = [line for line in stderr.splitlines() if line.strip()]
+    assert line.startswith("stopped at once by a second SIGTERM: "), line
+    time.sleep(1)
+    for pid in pids:  # no rank is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_ctrl_c_outside_a_run_is_one_line_and_exit_130():

@@ -35,7 +35,7 @@ from engine.errors import (
     unused_parameters_in,
     user_error_in,
 )
-from engine.launch import environment
+from engine.launch import environment, second_signal
 from engine.refusals import data_refusal_in, misfit_in, unshardable_loader_in
 from engine.runs.dirs import remove_empty_folders, remove_if_unused
 from engine.sweeps import jobs as sweeps
@@ -333,7 +333,7 @@ def run(task: str, cfg: DictConfig) -> Any:
     ignore_known_warnings()
     _QUICK_EXIT["on"] = bool(cfg.get("speedups", True))
     hc = HydraConfig.get()
-    with run_log(), _signal_handlers_put_back():  # the line that ends the run also goes to its log file
+    with run_log(), _signal_handlers_put_back(), second_signal.armed():  # the ending line goes to the run's log too
         try:
             check_config(cfg)
             function = _task(task)

@@ -14,7 +14,7 @@ from typing import Any
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from engine.errors import say
-from engine.launch import environment
+from engine.launch import environment, second_signal
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class RankWatchingLauncher(_SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             self.meeting_port()
             self._call_children_watched()
+            second_signal.end_with_this_process(self.procs)
             _Watcher(self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
