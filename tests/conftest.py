@@ -96,6 +96,7 @@ LONG_FILES = (
     "test_service_failures_disk.py",
 )
 LONG = (
+    "test_signals.py::test_a_second_sigterm_ends_ranks_that_wait_on_each_other_at_once",
     "test_example_table.py::test_ddp_scores_each_test_row_once_as_one_device_does",
     "test_eval_shards.py::test_fsdp_predicts_every_input_once_in_as_many_batches_on_each_rank",
     "test_eval_shards.py::test_a_value_logged_with_sync_dist_is_one_devices_when_the_ranks_scored_an_odd_number",
