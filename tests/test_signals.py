@@ -211,6 +211,44 @@ def test_a_second_sigterm_ends_ranks_that_wait_on_each_other_at_once(tmp_path):
             os.kill(pid, 0)
 
 
+SIGNALLED = """
+import os, signal, sys, time
+from engine.launch import second_signal
+
+signal.signal(signal.SIGTERM, lambda *args: None)  # a run's own handler: it records the signal and goes on
+with second_signal.armed():
+    pid = os.fork() if sys.argv[1] == "fork" else 0
+    if pid == 0 and sys.argv[1] == "fork":  # a DataLoader's forked worker, with its parent's handlers
+        time.sleep(10)
+        os._exit(0)
+    target = pid or os.getpid()
+    os.kill(target, signal.SIGTERM)
+    time.sleep(float(sys.argv[2]))
+    os.kill(target, signal.SIGTERM)
+    time.sleep(1)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+print("went on")
+"""
+
+
+@pytest.mark.parametrize(
+    ("who", "apart_s", "ended"),
+    [("self", "1.5", True), ("self", "0.01", False), ("fork", "1.5", False)],
+    ids=["a-second-signal-ends-it", "the-same-signal-twice-at-once-is-one", "a-forked-childs-signals-are-its-own"],
+)
+def test_a_second_stop_signal_a_second_after_the_first_ends_the_process(who, apart_s, ended):
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALLED, who, apart_s], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
+    if ended:
+        assert proc.returncode == 143, proc.stderr
+        assert proc.stderr.startswith("stopped at once by a second SIGTERM: "), proc.stderr
+    else:
+        assert (proc.returncode, proc.stdout) == (0, "went on\n"), proc.stderr
+
+
 def test_ctrl_c_outside_a_run_is_one_line_and_exit_130():
     """Between a sequential sweep's jobs no run's handler is installed: Hydra's loop got a KeyboardInterrupt, and the
     sweep ended in a 49-line traceback."""

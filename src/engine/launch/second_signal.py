@@ -19,6 +19,23 @@ STOPS = (signal.SIGINT, signal.SIGTERM)
 # (torchrun, ddp_spawn's main process) passes its own on to the same processes milliseconds later.
 APART_S = 1.0
 _children: list[Any] = []  # processes this one started (subprocess.Popen): ended with it
+_pipe: list[int] = []  # (read end, write end) while armed
+
+
+def _not_in_a_fork() -> None:
+    """A forked child (a DataLoader's worker) keeps its parent's handlers and wakeup fd: the signals it gets (Ctrl-C,
+    its loader's terminate) would be counted as the parent's own."""
+    if _pipe:
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for fd in _pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _pipe.clear()
+        _children.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_a_fork)
 
 
 def end_with_this_process(procs: list[Any]) -> None:
@@ -26,14 +43,14 @@ def end_with_this_process(procs: list[Any]) -> None:
     _children.extend(procs)
 
 
-def _watch(read_fd: int) -> None:
+def _watch(read_fd: int, disarmed: threading.Event) -> None:
     first: float | None = None
     while True:
         try:
             data = os.read(read_fd, 64)  # blocks without the GIL: runs while the main thread waits in C
         except OSError:
             return
-        if not data:  # disarmed
+        if disarmed.is_set():
             return
         for signum in data:
             if signum not in STOPS:
@@ -73,13 +90,19 @@ def armed() -> Iterator[None]:
         os.close(write_fd)
         yield
         return
-    watcher = threading.Thread(target=_watch, args=(read_fd,), daemon=True, name="second-signal")
+    _pipe[:] = [read_fd, write_fd]
+    disarmed = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(read_fd, disarmed), daemon=True, name="second-signal")
     watcher.start()
     try:
         yield
     finally:
         signal.set_wakeup_fd(previous)
-        os.close(write_fd)  # the watcher reads the end of the pipe and returns
+        disarmed.set()
+        with contextlib.suppress(OSError):
+            os.write(write_fd, b"\0")  # wakes the watcher, which returns
         watcher.join(timeout=5)
-        os.close(read_fd)
+        for fd in _pipe:
+            os.close(fd)
+        _pipe.clear()
         _children.clear()
