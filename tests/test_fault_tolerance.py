@@ -119,6 +119,37 @@ def test_ddp_killed_mid_epoch_resumes_bit_for_bit(tmp_path):
     assert_same_weights(weights(resumed), weights(whole))
 
 
+# A user's table regression whose ReduceLROnPlateau halves the learning rate at every epoch's end; 11 batches an epoch
+PLATEAU = [
+    *[arg for arg in RUN if not arg.startswith(("model=", "data.", "+trainer.limit_train"))],
+    "~model",
+    "+model._target_=user_tables.PlateauRegressor",
+    "~data",
+    "+data._target_=user_tables.DiabetesData",
+    "monitor.metric=val/mse",
+    "monitor.mode=min",
+]
+
+
+@pytest.mark.parametrize("kill_at", [5, 11], ids=["mid-epoch", "after-the-epoch-end-checkpoint"])
+def test_a_plateau_scheduler_resumes_with_the_unbroken_runs_learning_rate(tmp_path, kill_at):
+    """Lightning skips a ReduceLROnPlateau's step at the end of the epoch a run resumes in (its metric is not in the
+    checkpoint): the resumed run went on at twice the unbroken run's learning rate."""
+    train(tmp_path / "unbroken", *PLATEAU)
+    killed = train(tmp_path / "killed", *PLATEAU, env={"KILL_AT_STEP": str(kill_at)}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    train(tmp_path / "resumed", *PLATEAU, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}")
+    (unbroken,), (resumed,) = run_dirs(tmp_path / "unbroken" / "logs"), run_dirs(tmp_path / "resumed" / "logs")
+    lrs = [
+        torch.load(r / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"][0]["lr"]
+        for r in (unbroken, resumed)
+    ]
+    assert lrs == [0.01 / 2, 0.01 / 2]  # the first epoch's end sets the best, the second's halves it (the third's
+    # step comes after its last.ckpt)
+    assert_same_weights(weights(resumed), weights(unbroken))
+
+
 def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
     started = time.time()

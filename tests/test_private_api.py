@@ -227,3 +227,12 @@ def test_interpreter_internals_used_at_exit():
 
     # entry.py (and tests/warm.py) end a process as the interpreter would, without tearing its modules down
     assert callable(threading._shutdown) and callable(atexit._run_exitfuncs)
+
+
+def test_lightning_skips_a_plateau_schedulers_step_in_a_resumed_epoch():
+    """callbacks/run_state.py takes the step: the condition it mirrors is still Lightning's, and still skips it."""
+    from lightning.pytorch.loops import fit_loop
+
+    source = inspect.getsource(fit_loop._FitLoop.on_advance_end)
+    assert "if not self.restarting and self.epoch_loop._num_ready_batches_reached():" in source
+    assert 'update_lr_schedulers("epoch", update_plateau_schedulers=not self.restarting)' in source

@@ -120,3 +120,15 @@ class Buckets(torch.utils.data.Sampler):
 class BucketedDiabetesData(DiabetesData):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_sampler=Buckets(len(self.val_set), self.batch_size))
+
+
+class PlateauRegressor(Regressor):
+    """Halves its learning rate when val/mse stalls, the way Lightning's docs write it; the threshold is so large that
+    every epoch stalls, so each epoch's end halves it."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, factor=0.5, patience=0, threshold=10.0, threshold_mode="abs"
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val/mse"}}

@@ -60,13 +60,35 @@ def seed_rank(rank: int) -> None:
     torch.manual_seed((int(derived[0]) << 32) | int(derived[1]))
 
 
+def _plateau_values(trainer: L.Trainer) -> dict[str, float]:
+    """The values the ReduceLROnPlateau schedulers watch, as they are now: Lightning steps them at an epoch's end from
+    these, after that epoch's checkpoints are saved, and a resumed run has none of them."""
+    found = {}
+    for config in trainer.lr_scheduler_configs:
+        value = trainer.callback_metrics.get(config.monitor) if config.reduce_on_plateau and config.monitor else None
+        if value is not None:
+            found[str(config.monitor)] = float(value)
+    return found
+
+
+def _step_plateaus(trainer: L.Trainer, values: dict[str, float], epoch: int) -> None:
+    """The epoch-end steps Lightning takes of the plateau schedulers (frequency, monitor, the module's hook)."""
+    for config in trainer.lr_scheduler_configs:
+        due = config.interval == "epoch" and (epoch + 1) % config.frequency == 0
+        value = values.get(config.monitor) if config.monitor else None
+        if config.reduce_on_plateau and due and value is not None:
+            trainer.lightning_module.lr_scheduler_step(config.scheduler, value)
+
+
 class RunState(L.Callback):
     """Saves the run `config` (if given) and the torch, numpy, Python and CUDA random states of every rank;
-    restores each rank's own random state on resume."""
+    restores each rank's own random state on resume. Steps the plateau schedulers Lightning skips on resume."""
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.config = config
         self._loaded: list[dict[str, Any]] | None = None
+        self._plateau: dict[str, float] = {}  # the values the plateau schedulers watched when the checkpoint was saved
+        self._pending_epoch: int | None = None  # the epoch whose plateau step the checkpoint came before
         self._trainer: L.Trainer | None = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -77,14 +99,28 @@ class RunState(L.Callback):
         trainer = self._trainer
         device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
         mine = _capture(device)
+        plateau: dict[str, Any] = {}
+        if trainer is not None:
+            # saved in an epoch's end hooks: Lightning takes that epoch as done on resume, without its plateau step
+            progress = trainer.fit_loop.epoch_progress.current
+            pending = trainer.current_epoch if progress.processed > progress.completed else None
+            plateau = {"values": _plateau_values(trainer), "pending_epoch": pending}
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [mine]}
+            return {"ranks": [mine], "plateau": plateau}
         gathered: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(gathered, mine)  # every rank saves: dump_checkpoint runs on all
-        return {"ranks": gathered}
+        return {"ranks": gathered, "plateau": plateau}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict.get("ranks")
+        plateau = state_dict.get("plateau") or {}
+        self._plateau, self._pending_epoch = dict(plateau.get("values", {})), plateau.get("pending_epoch")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning skips the plateau step at the end of the epoch a run resumed in: taken here from the epoch's own
+        # values or, without them (resumed after the epoch's validation), the saved ones
+        if trainer.fit_loop.restarting and trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+            _step_plateaus(trainer, {**self._plateau, **_plateau_values(trainer)}, trainer.current_epoch)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -93,6 +129,9 @@ class RunState(L.Callback):
         seed_rank(trainer.global_rank)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pending, self._pending_epoch = self._pending_epoch, None
+        if pending is not None and not trainer.fit_loop.restarting:
+            _step_plateaus(trainer, self._plateau, pending)
         states, self._loaded = self._loaded, None
         if states is None:
             return
