@@ -103,7 +103,7 @@ class RunState(L.Callback):
         if trainer is not None:
             # saved in an epoch's end hooks: Lightning takes that epoch as done on resume, without its plateau step
             progress = trainer.fit_loop.epoch_progress.current
-            pending = trainer.current_epoch if progress.processed > progress.completed else None
+            pending = trainer.current_epoch if getattr(progress, "processed", 0) > progress.completed else None
             plateau = {"values": _plateau_values(trainer), "pending_epoch": pending}
         if trainer is None or trainer.world_size == 1:
             return {"ranks": [mine], "plateau": plateau}
