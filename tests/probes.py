@@ -160,6 +160,7 @@ class KillAt(L.Callback):
     finishes a save a few milliseconds after it was made), or at once with $KILL_WITHOUT_WAITING=1 (the newest
     save may then be lost; the one before is whole). $KILL_SIGNAL=<name> sends another signal (SIGTERM: a
     scheduler's stop). $STEP_SLEEP=<s> slows every step (time to send signals). $KILL_AT_HOOK: see below.
+    $KILL_AT_BATCH=<n>: as this process's n-th training batch starts instead of a step.
     $HANG_AT_STEP=<k>: rank 1 waits forever in C as step k starts (a collective that another rank never joins)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -191,7 +192,10 @@ class KillAt(L.Callback):
             (probe_dir() / "hanging").write_text(str(os.getpid()))
             torch.distributed.recv(torch.zeros(1), src=0)  # a message that never comes: this rank waits in C, and
             # rank 0 in the step's gradient all-reduce, as ranks whose data gives them unequal batch counts do
+        self.batches = getattr(self, "batches", 0) + 1
         kill_at = os.environ.get("KILL_AT_STEP")
+        if os.environ.get("KILL_AT_BATCH") == str(self.batches):  # this process's n-th batch, accumulated or not
+            kill_at = str(trainer.global_step)
         if kill_at is not None and trainer.global_step == int(kill_at):
             if trainer.global_rank == int(os.environ.get("KILL_RANK", "0")):
                 if not os.environ.get("KILL_WITHOUT_WAITING"):

@@ -150,6 +150,39 @@ def test_a_plateau_scheduler_resumes_with_the_unbroken_runs_learning_rate(tmp_pa
     assert_same_weights(weights(resumed), weights(unbroken))
 
 
+def test_a_resumed_run_keeps_the_unbroken_runs_best_checkpoint_and_tests_it(tmp_path):
+    """A resumed run writes into a new run dir, for which Lightning forgets the best score: its first new epoch became
+    the best checkpoint, worse or not, and the test took it (exit 0). Now the best file comes along, by hard link."""
+    overfits = [a.replace("PlateauRegressor", "Overfits") for a in PLATEAU if a != "test=false"]
+    train(tmp_path / "unbroken", *overfits)
+    killed = train(tmp_path / "killed", *overfits, env={"KILL_AT_STEP": "14"}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    best = run / "checkpoints" / "epoch_000.ckpt"
+    before = best.stat()
+    train(tmp_path / "resumed", *overfits, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}")
+    (unbroken,), (resumed,) = run_dirs(tmp_path / "unbroken" / "logs"), run_dirs(tmp_path / "resumed" / "logs")
+    assert sorted(p.name for p in (resumed / "checkpoints").glob("epoch_*")) == ["epoch_000.ckpt"]
+    assert [json.loads((r / "test_metrics.json").read_text())["test/mse"] for r in (unbroken, resumed)] == [
+        json.loads((unbroken / "test_metrics.json").read_text())["test/mse"]
+    ] * 2
+    after = best.stat()  # the killed run's own file is as it was
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+
+
+def test_a_run_accumulating_gradients_killed_between_steps_resumes_bit_for_bit(tmp_path):
+    """last.ckpt every 2 optimizer steps of 3 batches each: it was saved again after each batch that only added to
+    the gradients (the step count had not moved), so a resume from it lost that batch's gradients."""
+    accumulating = [*RUN, "trainer.accumulate_grad_batches=3", "callbacks.last_checkpoint.every_n_steps=2"]
+    train(tmp_path / "unbroken", *accumulating)
+    killed = train(tmp_path / "killed", *accumulating, env={"KILL_AT_BATCH": "8"}, check=False)  # after the 7th
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    train(tmp_path / "resumed", *accumulating, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}")
+    (unbroken,), (resumed,) = run_dirs(tmp_path / "unbroken" / "logs"), run_dirs(tmp_path / "resumed" / "logs")
+    assert_same_weights(weights(resumed), weights(unbroken))
+
+
 def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
     started = time.time()

@@ -96,6 +96,47 @@ class BestCheckpoint(WrittenInBackground):
         super()._save_checkpoint(trainer, filepath)
         self._saved_in = self._called
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._trainer = proxy(trainer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resumed run writes into a new run dir, for which Lightning keeps the best file's path but forgets its
+        score: the first new epoch became the best, worse or not, and was tested. The best files come along into
+        this dir (hard links), so the top k are the unbroken run's, and replacing one never touches the old run."""
+        saved = state_dict.get("dirpath")
+        if saved and self.dirpath and Path(saved) != Path(self.dirpath) and state_dict.get("best_k_models"):
+            state_dict = self._brought_over(state_dict)
+        super().load_state_dict(state_dict)
+
+    def _brought_over(self, state: dict[str, Any]) -> dict[str, Any]:
+        from engine.runs.atomic_io import copy_atomically
+
+        trainer = getattr(self, "_trainer", None)
+        resumed_from = Path(str(getattr(trainer, "ckpt_path", None) or "")).parent
+        moved: dict[str, str] = {}
+        for old in state["best_k_models"]:
+            source = Path(old) if Path(old).is_file() else resumed_from / Path(old).name  # a run dir moved since
+            if not source.is_file():
+                continue
+            moved[old] = str(Path(str(self.dirpath)) / source.name)
+            if trainer is None or trainer.is_global_zero:
+                copy_atomically(source, Path(moved[old]))
+        if not moved:
+            return state  # not there any more (or folders of shards): Lightning's behaviour
+        kept = {moved[old]: score for old, score in state["best_k_models"].items() if old in moved}
+        scores = sorted(kept.items(), key=lambda item: float(item[1]), reverse=self.mode == "max")
+        return {
+            **state,
+            "dirpath": self.dirpath,
+            "best_k_models": kept,
+            "best_model_path": scores[0][0],
+            "best_model_score": scores[0][1],
+            "kth_best_model_path": scores[-1][0],
+            "kth_value": scores[-1][1],
+            "last_model_path": "",
+        }
+
     def saved_just_now(self) -> bool:
         """Whether it saved a file in its newest hook call."""
         return self._saved_in is not None and self._saved_in is self._called
@@ -159,6 +200,8 @@ class LastCheckpoint(WrittenInBackground):
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
         if not self.every_n_steps or trainer.global_step % self.every_n_steps or trainer.sanity_checking:
             return
+        if self._last_global_step_saved == trainer.global_step:
+            return  # a batch that only accumulated gradients: a save here would resume without them
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the epoch-end save follows, after validation
         self._save_checkpoint(trainer, str(self.path))
