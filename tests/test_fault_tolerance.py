@@ -183,6 +183,52 @@ def test_a_run_accumulating_gradients_killed_between_steps_resumes_bit_for_bit(t
     assert_same_weights(weights(resumed), weights(unbroken))
 
 
+def test_resuming_mid_epoch_with_another_batch_size_is_one_line(tmp_path):
+    """The loader's position is a count of batches: with another batch size it named other samples, and the resumed
+    epoch ran no step at all (exit 0)."""
+    train(tmp_path / "killed", *RUN, env={"KILL_AT_STEP": "5"}, check=False)
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    resumed = train(
+        tmp_path / "resumed", *RUN, "data.batch_size=16", f"ckpt_path={run}/checkpoints/last.ckpt", check=False
+    )
+    assert resumed.returncode == 2, resumed.stderr[-2000:]
+    (line,) = resumed.stderr.strip().splitlines()
+    assert line.startswith("error: the checkpoint was saved after batch 3 of an epoch of "), line
+    assert "in batches of 32; this run's loader has" in line and "in batches of 16" in line
+    assert run_dirs(tmp_path / "resumed" / "logs") == []
+
+
+WEIGHTED = [a.replace("DiabetesData", "WeightedDiabetesData") for a in PLATEAU]
+
+
+def test_a_loader_that_cannot_resume_mid_epoch_says_so_and_another_sampler_is_one_line(tmp_path):
+    """A sampler of the user's own (a WeightedRandomSampler) keeps no position: a mid-epoch resume started the epoch's
+    order over, silently. A checkpoint that holds a position, resumed with such a loader, was Lightning's traceback."""
+    train(tmp_path / "killed", *WEIGHTED, env={"KILL_AT_STEP": "5"}, check=False)
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    resumed = train(tmp_path / "resumed", *WEIGHTED, f"ckpt_path={run}/checkpoints/last.ckpt")
+    said = resumed.stdout + resumed.stderr
+    assert (
+        "Resumed after batch 3 of an epoch, with a training loader that cannot continue there (a sampler of its" in said
+    )
+    train(tmp_path / "plain", *WEIGHTED, "+data.weighted=false", env={"KILL_AT_STEP": "5"}, check=False)
+    (plain,) = run_dirs(tmp_path / "plain" / "logs")
+    refused = train(tmp_path / "other", *WEIGHTED, f"ckpt_path={plain}/checkpoints/last.ckpt", check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("error: data: the checkpoint holds its training loader's position mid-epoch"), line
+    assert run_dirs(tmp_path / "other" / "logs") == []
+
+
+def test_a_resume_with_persistent_loader_workers_says_their_draws_start_over(tmp_path):
+    """Random draws in workers (augmentation) cannot be given back: said, where it was silent."""
+    workers = [*PLATEAU, "+data.num_workers=1"]
+    train(tmp_path / "killed", *workers, env={"KILL_AT_STEP": "12"}, check=False)  # after the epoch-end save
+    (run,) = run_dirs(tmp_path / "killed" / "logs")
+    resumed = train(tmp_path / "resumed", *workers, f"ckpt_path={run}/checkpoints/last.ckpt")
+    assert "Resumed with 1 loader workers: random draws inside them" in resumed.stdout + resumed.stderr
+
+
 def test_a_dead_rank_is_named_in_one_line_within_seconds(tmp_path):
     ddp = [*RUN, "trainer=ddp", "trainer.accelerator=cpu", "data.batch_size=16"]
     started = time.time()

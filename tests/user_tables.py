@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 class DiabetesData(L.LightningDataModule):
     """442 patients, 10 standardised features, a disease progression score one year later (standardised here)."""
 
-    def __init__(self, batch_size: int = 32, val_size: int = 100, shuffle: bool = True) -> None:
+    def __init__(self, batch_size: int = 32, val_size: int = 100, shuffle: bool = True, num_workers: int = 0) -> None:
         super().__init__()
-        self.batch_size, self.val_size, self.shuffle = batch_size, val_size, shuffle
+        self.batch_size, self.val_size, self.shuffle, self.num_workers = batch_size, val_size, shuffle, num_workers
 
     def setup(self, stage: str) -> None:
         from sklearn.datasets import load_diabetes
@@ -27,7 +27,8 @@ class DiabetesData(L.LightningDataModule):
         self.train_set, self.val_set = TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle)
+        workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, **workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
@@ -140,3 +141,19 @@ class Overfits(Regressor):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val/mse", F.mse_loss(self(x), y) + self.current_epoch)
+
+
+class WeightedDiabetesData(DiabetesData):
+    """Draws its training rows by weight (a WeightedRandomSampler, the usual answer to imbalanced data), or shuffles
+    them with `weighted=False`."""
+
+    def __init__(self, weighted: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.weighted = weighted
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.weighted:
+            return super().train_dataloader()
+        weights = torch.linspace(1.0, 2.0, len(self.train_set))
+        sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=len(self.train_set))
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)

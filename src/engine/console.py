@@ -33,6 +33,8 @@ def ignore_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # said in our words, with the fix, by engine.contract (it stops the run)
     warnings.filterwarnings("ignore", message=r"Attribute '.*' is an instance of `nn.Module` and is already saved")
+    # said in our words, with what it means, by engine.callbacks.resumable_data
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
     # a resumed run writes into its own new directory, by design: not a problem to report
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 

@@ -36,7 +36,7 @@ from engine.errors import (
     user_error_in,
 )
 from engine.launch import environment, second_signal
-from engine.refusals import data_refusal_in, misfit_in, unshardable_loader_in
+from engine.refusals import data_refusal_in, misfit_in, unresumable_loader_in, unshardable_loader_in
 from engine.runs.dirs import remove_empty_folders, remove_if_unused
 from engine.sweeps import jobs as sweeps
 from engine.sweeps.jobs import record_failure
@@ -355,7 +355,8 @@ def run(task: str, cfg: DictConfig) -> Any:
 
                 e = one_line(e)
             e = missing_compile_backend_in(e) or unused_parameters_in(e) or e
-            e = data_refusal_in(e) or unshardable_loader_in(e) or misfit_in(e, cfg.get("model")) or e
+            e = data_refusal_in(e) or unshardable_loader_in(e) or unresumable_loader_in(e) or e
+            e = misfit_in(e, cfg.get("model")) or e
             if sweeps.is_multirun():
                 if isinstance(e, SweepStopped):
                     raise  # the sweeper says it, once

@@ -49,6 +49,22 @@ def unshardable_loader_in(error: BaseException) -> UserError | None:
     return UserError(f"data: under several processes, {said}")
 
 
+def unresumable_loader_in(error: BaseException) -> UserError | None:
+    """A checkpoint that holds the training loader's position, resumed with a loader that keeps none (another sampler
+    than it was saved with): Lightning's RuntimeError from where it restores loader states, as one line."""
+    frames = list(_frames(error))
+    where = frames[-1].f_globals.get("__name__") if frames else None
+    if not isinstance(error, RuntimeError) or where != "lightning.pytorch.utilities.combined_loader":
+        return None
+    if "stateful loaders" not in str(error):
+        return None
+    return UserError(
+        "data: the checkpoint holds its training loader's position mid-epoch, and this run's training loader keeps no "
+        "position (a sampler or batch sampler of its own, an iterable data set): resume with the loader it was "
+        "saved with, or start a new run"
+    )
+
+
 def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
     """A model failing on the data's batches before its first optimizer step (model and data disagree on a size):
     one line with the batch's shapes and the quoted settings, in place of torch's deep traceback; else None."""

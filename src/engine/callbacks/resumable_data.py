@@ -51,6 +51,29 @@ class ResumableData(L.Callback):
     def __init__(self) -> None:
         self._seed: int | None = None
         self._wrapped: Any = None  # the DataModule whose train_dataloader this callback answers
+        self._loader: tuple[str | None, int, bool] | None = None  # why left as is; workers; persistent workers
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """What a resume cannot give back exactly is said, not left silent."""
+        loader, self._loader = self._loader, None
+        if not trainer.ckpt_path or loader is None or not trainer.is_global_zero:
+            return
+        why, workers, persistent = loader
+        done = getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0)
+        mid_epoch = trainer.fit_loop.restarting and done > 0
+        if why and mid_epoch:
+            log.warning(
+                "Resumed after batch %d of an epoch, with a training loader that cannot continue there (%s): the epoch "
+                "starts its order over, and its first batches come twice",
+                done,
+                why,
+            )
+        if workers and (mid_epoch or persistent):
+            log.warning(
+                "Resumed with %d loader workers: random draws inside them (augmentation in a Dataset or collate_fn) "
+                "start from new states, so the run is not bit for bit the unbroken one (docs: Fault tolerance)",
+                workers,
+            )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         datamodule = getattr(trainer, "datamodule", None)
@@ -76,6 +99,8 @@ class ResumableData(L.Callback):
 
     def _resumable(self, loader: Any, trainer: L.Trainer) -> Any:
         why = _left_as_is(loader)
+        workers = getattr(loader, "num_workers", 0)
+        self._loader = (why, workers, bool(workers and getattr(loader, "persistent_workers", False)))
         if why is not None:
             if why and trainer.is_global_zero:
                 log.info("The training loader is left as it is (%s): a resume starts its epoch over", why)

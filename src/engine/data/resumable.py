@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from engine.errors import UserError
+
 
 class ResumableSampler(DistributedSampler):
     """A DistributedSampler (Lightning keeps it under ddp as it is) that can skip a prefix of one epoch."""
@@ -58,9 +60,21 @@ class ResumableLoader(DataLoader):
             "epoch": -1 if self._epoch is None else self._epoch,
             "batches": self._yielded,
             "seed": self.sampler.seed,
+            "batch_size": int(self.batch_size or 1),
+            "samples": len(self.dataset),  # type: ignore[arg-type]
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("batches") and state.get("epoch", -1) >= 0:  # saved mid-epoch: its position is in batches
+            was = (state.get("batch_size"), state.get("samples"))
+            now = (int(self.batch_size or 1), len(self.dataset))  # type: ignore[arg-type]
+            if was[0] is not None and was != now:
+                raise UserError(
+                    f"the checkpoint was saved after batch {state['batches']} of an epoch of {was[1]} training "
+                    f"samples in batches of {was[0]}; this run's loader has {now[1]} in batches of {now[0]}, where "
+                    "that position means other samples: resume with the data settings it was saved with (data.*), "
+                    "or from a checkpoint saved at an epoch's end"
+                )
         self._resume = dict(state)
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.seed = int(state.get("seed", self.sampler.seed))

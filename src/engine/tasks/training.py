@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine import build, contract
 from engine.callbacks import averaging
+from engine.callbacks.checkpoint import wait_for_writes
 from engine.callbacks.monitor import Monitor, best_key
 from engine.callbacks.schedule import StretchSchedule
 from engine.console import show_start
@@ -115,6 +116,8 @@ class TrainRun:
         if not self.cfg.train:
             return self.ckpt_path
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        wait_for_writes(trainer)  # rank 0's writer thread may still be writing it: every rank looks once it is there
+        trainer.strategy.barrier("best checkpoint written")
         best = resume.best_to_test(best, self.ckpt_path)
         if not best:
             log.warning("No checkpoint was saved; testing the weights as they are after training.")
