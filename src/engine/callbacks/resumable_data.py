@@ -68,6 +68,10 @@ class ResumableData(L.Callback):
                 done,
                 why,
             )
+        elif why:  # its draws follow no seed of ours: even at an epoch's end the order may not be the unbroken run's
+            log.warning(
+                "Resumed with a training loader left as it is (%s): its order may not be the unbroken run's", why
+            )
         if workers and (mid_epoch or persistent):
             log.warning(
                 "Resumed with %d loader workers: random draws inside them (augmentation in a Dataset or collate_fn) "
