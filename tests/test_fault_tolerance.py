@@ -388,6 +388,7 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from engine.launch import environment
     from engine.runs.continuing import continue_command
 
     def command(*overrides: str, mode: RunMode = RunMode.RUN, **env: str) -> str:
@@ -399,6 +400,8 @@ def test_the_command_to_continue_keeps_the_runs_settings_and_leaves_out_what_a_r
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
+        launched = [name for name in env if name != "PROJECT_PROFILE"]
+        monkeypatch.setattr(environment, "_LAUNCHED_BY", launched)  # as the process found them at its start
         return continue_command("/runs/a b/last.ckpt")
 
     run = ["model=mlp", "logger=[tensorboard,mlflow]", "paths.output_dir=/out", "callbacks.last_checkpoint.dirpath=/ck"]

@@ -160,6 +160,9 @@ def test_sigterm_to_one_ddp_rank_before_training_starts_stops_every_rank(tmp_pat
     proc = run_python(argv, tmp_path / "work", cli_env(**env), timeout=120)  # it hung: the ranks wait on each other
     assert proc.returncode == 143, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM at epoch 0, step 0: saved ")
+    # the command that continues it is train.py's own (Lightning's launcher sets NODE_RANK in rank 0 as it starts
+    # the others: taken for nodes started by hand, it said only `ckpt_path=... added to the run's command`)
+    assert "; continue with: python train.py seed=1 " in proc.stderr.strip().splitlines()[-1]
     (run,) = run_dirs(tmp_path / "work" / "logs")
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 0
 

@@ -53,6 +53,16 @@ def restarted() -> bool:
     )
 
 
+# Read as this process starts: Lightning's launcher later writes NODE_RANK into rank 0's own environment
+_LAUNCHED_BY = [name for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "NODE_RANK") if name in os.environ]
+
+
+def launched_from_outside() -> bool:
+    """torchrun, SLURM, or nodes started by hand (NODE_RANK): each process's command is the launcher's or the user's,
+    not one `python train.py` that started the others."""
+    return bool(_LAUNCHED_BY)
+
+
 def shares_a_named_dir() -> bool:
     """Nodes started by hand (MASTER_ADDR, NODE_RANK on each): they share the directory the user names."""
     return "NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ

@@ -7,6 +7,8 @@ import re
 import shlex
 from pathlib import Path
 
+from engine.launch.environment import launched_from_outside
+
 
 def resume_override(path: str) -> str:
     """`ckpt_path=<path>` as Hydra reads it back: quoted where the path has what its grammar splits on or rejects (a
@@ -28,8 +30,7 @@ def continue_command(path: str) -> str:
 
     resume = resume_override(path)
     # torchrun, SLURM, nodes started by hand: each process's command is the launcher's, not ours to rebuild
-    started_by = any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "NODE_RANK"))
-    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or started_by:
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or launched_from_outside():
         return f"{resume} added to the run's command"
     overrides = list(HydraConfig.get().overrides.task)
     key = lambda override: override.lstrip("+~").split("=", 1)[0]  # noqa: E731
