@@ -37,8 +37,8 @@ def test_the_profile_shrinks_the_search_and_bad_sweeper_keys_are_one_line(cli, t
         "hydra/launcher=parallel hydra.sweeper.n_jobs=3": "hydra.sweeper.n_jobs=3: more trials at once than the "
         "launcher's 2 workers; use hydra.sweeper.n_jobs=2, or raise hydra.launcher.n_jobs",
         "hydra.sweeper.direction=minimize": "hydra.sweeper.direction=minimize, but monitor.mode=max: the trials return "
-        "the best val/acc (higher is better), so the best trial would be the worst; use hydra.sweeper.direction="
-        "maximize (or set optimized_metric to the number to minimize)",
+        "val/acc (higher is better), so the best trial would be the worst; use hydra.sweeper.direction=maximize (to "
+        "minimize another metric, set monitor.metric and monitor.mode)",
     }
     for overrides, line in refused.items():
         bad = cli("train.py", *SEARCH, *overrides.split(), check=False)

@@ -137,3 +137,41 @@ def test_a_sharded_jobs_epochs_are_read_from_its_checkpoint_folder(tmp_path: Pat
     torch.save({"epoch": 2, "loops": progress}, tmp_path / "1" / "checkpoints" / "last.ckpt")  # one file
     jobs, _ = read_sweep(tmp_path)
     assert [job.epochs for job in jobs] == [3, 3]
+
+
+def test_a_models_own_metric_names_get_their_test_column_and_the_csv_keeps_every_digit(tmp_path: Path):
+    """A model logging val_rmse and test_rmse: the test column was `test/val_rmse`, always empty; summary.csv, read
+    by scripts, rounded to 4 significant figures. Ranked as monitor.mode says, lowest first."""
+    monitor = {"metric": "val_rmse", "mode": "min"}
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"monitor": monitor}))
+    for name, (val, test) in {"0": (0.52345678912345, 0.61234567891234), "1": (0.4123456789, 0.5)}.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / "fit_metrics.json").write_text(json.dumps({"status": "ok", "best/val_rmse": val}))
+        (tmp_path / name / "test_metrics.json").write_text(json.dumps({"status": "ok", "test_rmse": test}))
+    proc = run_python([sys.executable, "-m", "engine.sweeps.summary", str(tmp_path)], tmp_path, cli_env())
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [(r["job"], r["best/val_rmse"], r["test_rmse"]) for r in rows] == [
+        ("1", "0.4123456789", "0.5"),
+        ("0", "0.52345678912345", "0.61234567891234"),
+    ]
+    assert "| 0 | ok | 0.5235 | 0.6123 |" in proc.stdout
+
+
+def test_the_importances_of_a_study_whose_first_trial_was_cut_off_count_its_searched_parameters(tmp_path: Path):
+    """No trial completed yet: summary.md said the search has 0 searched parameters (counted from completed trials)
+    while it has 3."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="cut", storage=storage, direction="maximize")
+    trial = study.ask()
+    for name in ("model.optimizer.lr", "data.batch_size", "model.net.hidden"):
+        trial.suggest_float(name, 0.1, 1.0)
+    trial.set_user_attr("interrupted", True)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    (tmp_path / "optuna_study.yaml").write_text(yaml.safe_dump({"study_name": "cut", "storage": storage}))
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    proc = run_python([sys.executable, "-m", "engine.sweeps.summary", str(tmp_path)], tmp_path, cli_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "- optuna_importances.png: not drawn: needs at least 2 completed trials, the study has 0" in proc.stdout

@@ -87,6 +87,11 @@ def objective(metrics: dict[str, float], name: str | None) -> float | None:
 
 def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
     """Run this job as its own process; return its `optimized_metric` for the sweeper."""
+    import importlib  # the plugin by name, as engine.sweeps.pruning imports it
+
+    out_of_reach = importlib.import_module("hydra_plugins.engine_optuna_sweeper.job").pruner_out_of_reach()
+    if out_of_reach:
+        raise UserError(out_of_reach)
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     # The job seeds itself from its own config: an earlier job's seed must not reach it through the environment.

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from engine.runs.results import best_key, read_metrics
+from engine.runs.results import read_metrics
+from engine.sweeps import objective
 from engine.sweeps.jobs import ERROR_FILE
 
 PRUNED_FILE = "pruned.json"  # written by engine.sweeps.pruning when Optuna stopped the job
@@ -74,8 +76,11 @@ def _wall_s(job_dir: Path) -> float | None:
 
 
 def test_metric_for(metric: str) -> str:
-    """The test counterpart of the optimized metric: best/val/acc (or val/acc_best) -> test/acc."""
-    return "test/" + metric.split("/")[-1].removesuffix("_best")
+    """The test counterpart of the optimized metric, named as the validation one is: best/val/acc (or val/acc_best)
+    -> test/acc, val_rmse -> test_rmse, valid/r2 -> test/r2; a name without a val prefix: test/<its last part>."""
+    name = metric.removeprefix("best/").removesuffix("_best")
+    test, found = re.subn(r"^(val|valid|validation)(?=[/_.-])", "test", name)
+    return test if found else "test/" + name.split("/")[-1]
 
 
 def read_job(job_dir: Path, metric: str) -> Job:
@@ -117,16 +122,15 @@ def _statuses(job_dir: Path) -> set[str]:
 
 
 def _sweep_settings(sweep_dir: Path) -> tuple[str, bool]:
-    """(optimized metric, higher is better) from the sweep's config: optimized_metric, else the best monitor.metric,
-    sorted by monitor.mode."""
+    """(optimized metric, higher is better) from the sweep's config (engine.sweeps.objective): optimized_metric, else
+    the best monitor.metric, sorted by monitor.mode. A sweep dir without it (or an old sweep's metric of another
+    direction): by the metric's name."""
     path = sweep_dir / "multirun.yaml"
     cfg = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
     select = lambda key: OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)  # noqa: E731
-    monitor, mode = select("monitor.metric") or "val/acc", select("monitor.mode")
-    metric = str(select("optimized_metric") or best_key(monitor))
-    direction = {"maximize": "max", "minimize": "min"}.get(str(select("hydra.sweeper.direction")), mode)
-    if direction in ("max", "min"):
-        return metric, direction == "max"
+    metric, monitor, mode = objective.metric(cfg), select("monitor.metric"), select("monitor.mode")
+    if mode in ("max", "min") and metric in objective.forms(str(monitor)):
+        return metric, mode == "max"
     return metric, not any(word in metric for word in ("loss", "error", "mse", "mae"))
 
 
@@ -178,23 +182,24 @@ def swept_keys(jobs: list[Job]) -> list[str]:
     return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, short: bool = True) -> str:
+    """4 significant figures for people (summary.md); every digit for scripts (summary.csv)."""
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.4g}" if short else repr(value)
     return str(value)
 
 
-def _rows(jobs: list[Job]) -> list[list[str]]:
+def _rows(jobs: list[Job], short: bool = True) -> list[list[str]]:
     return [
         [
             job.name,
             job.status,
-            _fmt(job.metric),
-            _fmt(job.test),
+            _fmt(job.metric, short),
+            _fmt(job.test, short),
             _fmt(job.epochs),
-            _fmt(job.wall_s),
+            _fmt(job.wall_s, short),
             " ".join(f"{k}={v}" for k, v in job.overrides.items()),
             job.error,
         ]
@@ -206,7 +211,7 @@ def to_csv(jobs: list[Job], metric: str) -> str:
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow([metric if c == "metric" else test_metric_for(metric) if c == "test" else c for c in COLUMNS])
-    writer.writerows(_rows(jobs))
+    writer.writerows(_rows(jobs, short=False))
     return out.getvalue()
 
 
@@ -302,7 +307,19 @@ def write_summary(sweep_dir: Path) -> list[Job]:
 
 class SweepSummary(Callback):
     """Writes the summary when a multirun ends. Registered after SweepReport in conf/hydra/default.yaml:
-    on_multirun_end callbacks run in reverse order, so the summary exists before SweepReport exits non-zero."""
+    on_multirun_end callbacks run in reverse order, so the summary exists before SweepReport exits non-zero.
+    At the start, refuses a sweep whose jobs it would rank by another metric's direction (engine.sweeps.objective),
+    whatever the sweeper: before any job, study or file (Hydra turns a callback's exceptions into warnings, so it
+    exits here)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from engine.errors import exit_with
+        from engine.runs.dirs import remove_if_unused
+
+        refused = objective.refusal(config)
+        if refused is not None:
+            remove_if_unused(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))))  # RunDirGuard made it
+            exit_with(refused)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))

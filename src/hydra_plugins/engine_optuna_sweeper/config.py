@@ -12,6 +12,7 @@ TRIAL_ID_ENV = "HYDRA_OPTUNA_TRIAL_ID"
 TRIAL_NUMBER_ENV = "HYDRA_OPTUNA_TRIAL_NUMBER"
 STUDY_ENV = "HYDRA_OPTUNA_STUDY"
 STORAGE_ENV = "HYDRA_OPTUNA_STORAGE"
+METRIC_ATTR = "metric"  # study user attr: the metric its trials return (a study holds values of one metric)
 PRUNER_ATTR = "pruner"  # study user attr: the pruner config, for jobs that load the study from storage
 PRUNED_ATTR = "pruned"  # trial user attr a job sets when the pruner stopped it (read back from storage)
 ERROR_ATTR = "error"  # trial user attr: the one-line error of a failed trial

@@ -13,10 +13,18 @@ from hydra.core.utils import JobReturn
 CONCURRENT = ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",)
 
 
+def _names(launcher: Any) -> set[str]:
+    return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(launcher).__mro__}
+
+
 def concurrent(launcher: Any) -> bool:
     """True when `launcher` can run trials one by one from several threads."""
-    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(launcher).__mro__}
-    return bool(names.intersection(CONCURRENT))
+    return bool(_names(launcher).intersection(CONCURRENT))
+
+
+def in_this_process(launcher: Any) -> bool:
+    """True when `launcher` runs each job in the sweeper's own process (Hydra's basic launcher)."""
+    return "hydra._internal.core_plugins.basic_launcher.BasicLauncher" in _names(launcher)
 
 
 class InFlight:

@@ -33,6 +33,25 @@ def current_trial() -> Optional[Any]:
     return optuna.trial.Trial(study, int(trial_id))
 
 
+def pruner_out_of_reach() -> Optional[str]:
+    """Why a process this job starts (its ranks, engine.sweeps.jobs) could not report to its trial, or None: the study
+    is kept in memory, in this process, and has a pruner that would never judge it."""
+    if not os.environ.get(TRIAL_ID_ENV) or os.environ.get(STORAGE_ENV):
+        return None
+    import optuna
+
+    from . import optuna_sweeper
+
+    study = optuna_sweeper.ACTIVE_STUDY
+    if study is None or isinstance(study.pruner, optuna.pruners.NopPruner):
+        return None
+    return (
+        "its ranks run in processes of their own, which cannot reach a study kept in memory "
+        "(hydra.sweeper.storage=null): no trial would be pruned; set hydra.sweeper.storage=sqlite:///<path>.db "
+        "(or hydra.sweeper.pruner=null)"
+    )
+
+
 def report(trial: Any, value: float, step: int) -> bool:
     """Report an intermediate value; True when the pruner says stop, the trial then marked pruned in storage (no
     exception may travel back). An unwritable storage stops the sweep, which says so once."""

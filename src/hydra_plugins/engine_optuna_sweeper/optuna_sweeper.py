@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from engine.errors import UserError, disk_error_in
 from engine.loggers import tracking
+from engine.sweeps import objective
 
 from . import in_flight, outcome, space, study
 from .config import STORAGE_ENV, STUDY_ENV, STUDY_FILE, TRIAL_ID_ENV, TRIAL_NUMBER_ENV
@@ -63,6 +64,7 @@ class ProjectOptunaSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config
         )
         self._check_direction(config)
+        self._check_pruning_reaches_the_study()
         workers = OmegaConf.select(config, "hydra.launcher.n_jobs")
         if in_flight.concurrent(self._launcher) and isinstance(workers, int) and 0 < workers < self.n_jobs:
             raise SweeperConfigError(  # the extra trials would wait in the launcher's queue, counted as running
@@ -71,26 +73,44 @@ class ProjectOptunaSweeper(Sweeper):
             )
 
     def _check_direction(self, config: DictConfig) -> None:
-        """The trials return the best monitor.metric (optimized_metric unset): a direction against monitor.mode would
-        make the worst trial the best, silently."""
+        """The trials return a form of monitor.metric (engine.sweeps.objective), which the pruner judges each epoch:
+        a direction against monitor.mode would make the worst trial the best, silently."""
+        refused = objective.refusal(config)
+        if refused is not None:
+            raise SweeperConfigError(str(refused))
         mode = OmegaConf.select(config, "monitor.mode", default=None)
-        if mode not in ("max", "min") or OmegaConf.select(config, "optimized_metric", default=None):
+        if mode not in ("max", "min"):
             return
         wanted = {"max": "maximize", "min": "minimize"}[mode]
         if self.direction != wanted:
             metric = OmegaConf.select(config, "monitor.metric", default="monitor.metric")
             raise SweeperConfigError(
-                f"hydra.sweeper.direction={self.direction}, but monitor.mode={mode}: the trials return the best "
-                f"{metric} ({'higher' if mode == 'max' else 'lower'} is better), so the best trial would be the worst; "
-                f"use hydra.sweeper.direction={wanted} (or set optimized_metric to the number to {self.direction})"
+                f"hydra.sweeper.direction={self.direction}, but monitor.mode={mode}: the trials return {metric} "
+                f"({'higher' if mode == 'max' else 'lower'} is better), so the best trial would be the worst; "
+                f"use hydra.sweeper.direction={wanted} (to {self.direction} another metric, set monitor.metric and "
+                "monitor.mode)"
             )
+
+    def _check_pruning_reaches_the_study(self) -> None:
+        """A study kept in memory lives in this process: jobs that a launcher runs in other processes (parallel's
+        workers, SLURM jobs) cannot report to it, so its pruner would never stop a trial."""
+        if self.storage or not self.pruner_cfg or in_flight.in_this_process(self._launcher):
+            return
+        launcher = OmegaConf.select(self._config, "hydra.runtime.choices.hydra/launcher", default=None)
+        raise SweeperConfigError(
+            f"hydra.sweeper.storage=null keeps the study in this process, which the jobs of "
+            f"hydra/launcher={launcher or type(self._launcher).__name__} run outside: no trial would be pruned; "
+            "set hydra.sweeper.storage=sqlite:///<path>.db (or hydra.sweeper.pruner=null)"
+        )
 
     def _name(self, search: dict[str, Any], fixed: list[str]) -> str:
         """The configured study name, or one derived from the search (named after the hparams_search option)."""
         if self.study_name:
             return self.study_name
         base = OmegaConf.select(self._config, "hydra.runtime.choices.hparams_search") or self._config.hydra.job.name
-        return space.study_name(str(base).replace("/", "_"), search, fixed, self.direction)
+        return space.study_name(
+            str(base).replace("/", "_"), search, fixed, self.direction, objective.metric(self._config)
+        )
 
     def _job_overrides(self, trial: Any, search: dict[str, Any], fixed: list[str], name: str) -> list[str]:
         chosen = [f"{key}={space.suggest(trial, key, dist)}" for key, dist in search.items()]
@@ -136,7 +156,7 @@ class ProjectOptunaSweeper(Sweeper):
         self._lock = study.lock(name, self.storage)  # held while this process lives
         try:
             the_study = ACTIVE_STUDY = study.open_study(
-                name, self.storage, self.direction, self.sampler_cfg, self.pruner_cfg
+                name, self.storage, self.direction, objective.metric(self._config), self.sampler_cfg, self.pruner_cfg
             )
             # written once the storage has passed: a refused sweep leaves no sweep dir (engine.entry removes it)
             sweep_dir.mkdir(parents=True, exist_ok=True)

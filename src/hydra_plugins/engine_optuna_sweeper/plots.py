@@ -63,7 +63,8 @@ def _importances(study: Any, path: Path) -> str:
     from optuna.visualization.matplotlib import plot_param_importances
 
     completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    searched = sorted({name for trial in completed for name in trial.distributions})
+    # every trial's: the space is the search's, not the completed trials' (none, after an interrupted first one)
+    searched = sorted({name for trial in study.get_trials(deepcopy=False) for name in trial.distributions})
     if len(searched) < 2:
         raise NotDrawn(f"needs at least 2 searched parameters, this search has {len(searched)}")
     if len(completed) < MIN_IMPORTANCE_TRIALS:

@@ -116,13 +116,19 @@ def suggest(trial: Any, name: str, dist: Any) -> Any:
     return trial.suggest_float(name, dist.low, dist.high, log=dist.log)
 
 
-def study_name(base: str, space: dict[str, Any], fixed: list[str], direction: str) -> str:
-    """`<base>-<8 hex>` from the space, fixed overrides and direction: the same command resumes its study, another never
-    mixes into it; n_trials and the launcher are not part of it, so raising n_trials continues the study."""
+def study_name(base: str, space: dict[str, Any], fixed: list[str], direction: str, metric: str) -> str:
+    """`<base>-<8 hex>` from the space, fixed overrides, the metric the trials return and its direction: the same
+    command resumes its study, another (or the same command after a config file changed the metric) never mixes into
+    it; n_trials and the launcher are not part of it, so raising n_trials continues the study."""
     from optuna.distributions import distribution_to_json
 
     identity = "\n".join(
-        [direction, *(f"{k}: {distribution_to_json(d)}" for k, d in sorted(space.items())), *sorted(fixed)]
+        [
+            direction,
+            f"metric: {metric}",
+            *(f"{k}: {distribution_to_json(d)}" for k, d in sorted(space.items())),
+            *sorted(fixed),
+        ]
     )
     return f"{base}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine.loggers.tracking import sqlite_file
 
-from .config import INTERRUPTED_ATTR, PRUNER_ATTR
+from .config import INTERRUPTED_ATTR, METRIC_ATTR, PRUNER_ATTR
 from .errors import StudyUnwritable, SweeperConfigError
 
 log = logging.getLogger(__name__)
@@ -113,15 +113,19 @@ def release(handle: Any, lock_path: Optional[Path] = None) -> None:
 
 
 def open_study(
-    name: str, storage: Optional[str], direction: str, sampler_cfg: Optional[DictConfig], pruner_cfg: Any
+    name: str, storage: Optional[str], direction: str, metric: str, sampler_cfg: Optional[DictConfig], pruner_cfg: Any
 ) -> Any:
     """The study `name`, created or loaded, its pruner config stored for jobs in other processes; a resumed study's
-    sampler is reseeded (seed + trials so far), or a fixed seed would draw the same startup points again."""
+    sampler is reseeded (seed + trials so far), or a fixed seed would draw the same startup points again. A study of
+    another direction or metric (a hydra.sweeper.study_name given again) is refused: its values would be compared
+    with ours."""
     import optuna
 
     if storage:
         _make_sqlite_dir(storage)
     pruner = instantiate(pruner_cfg) if pruner_cfg else optuna.pruners.NopPruner()
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not Optuna's "Using an existing study": a refusal is 1 line
     try:
         study = optuna.create_study(
             storage=storage,
@@ -144,12 +148,21 @@ def open_study(
             f"hydra.sweeper.storage={storage}: cannot be written ({reason}); make room there, or use a storage on "
             "a writable disk"
         ) from e
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     found = study.direction.name.lower()
     if found != direction:
         raise SweeperConfigError(
             f"study {name} in {storage} was created with direction {found}; "
             f"use hydra.sweeper.direction={found} or another hydra.sweeper.study_name"
         )
+    held = study.user_attrs.get(METRIC_ATTR, metric)  # a study of an older version: taken as ours
+    if held != metric:
+        raise SweeperConfigError(
+            f"study {name} in {storage} holds trials of {held}, these return {metric}; use another "
+            "hydra.sweeper.study_name (or monitor.metric and optimized_metric as that study had them)"
+        )
+    study.set_user_attr(METRIC_ATTR, metric)
     study.set_user_attr(PRUNER_ATTR, OmegaConf.to_container(pruner_cfg, resolve=True) if pruner_cfg else None)
     n_before = len(study.get_trials(deepcopy=False))
     if sampler_cfg:
