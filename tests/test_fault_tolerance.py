@@ -268,6 +268,7 @@ def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tm
     assert proc.returncode == 2
     (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
     assert line.startswith("error: diverged in epoch 0, between steps ") and "trainer.gradient_clip_val" in line
+    assert "lower the learning rate (model.optimizer.lr)" in line
     (run,) = run_dirs(tmp_path / "logs")
     assert (run / "train.log").read_text().splitlines()[-1].endswith(f"[ERROR] - {line}")  # how the run ended
     fit = json.loads((run / "fit_metrics.json").read_text())  # strict JSON: no NaN literal
@@ -275,6 +276,14 @@ def test_a_diverging_run_stops_at_once_with_a_clean_checkpoint_and_valid_json(tm
     for path in (run / "checkpoints").glob("*.ckpt"):
         state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
         assert all(bool(torch.isfinite(t).all()) for k, t in state.items() if k.startswith("net."))
+
+
+def test_a_diverging_module_of_ones_own_is_told_its_own_learning_rate_key(tmp_path):
+    """The line named the template's model.optimizer.lr, a key a user's module does not have."""
+    proc = train(tmp_path, *PLATEAU, "+model.lr=1e12", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: diverged in epoch 0") and "lower the learning rate (model.lr)" in line, line
 
 
 def test_a_nan_gradient_with_a_finite_loss_stops_before_any_checkpoint_holds_it(tmp_path):

@@ -176,7 +176,7 @@ class RunChecks(L.Callback):
         return DivergedError(
             f"diverged in epoch {trainer.current_epoch}, between steps {self._agreed_at} and {trainer.global_step}: "
             f"the {what} stopped being finite{last}; lower the learning rate "
-            f"(model.optimizer.lr) or clip gradients (trainer.gradient_clip_val=1.0); {kept}"
+            f"({_lr_key(trainer)}) or clip gradients (trainer.gradient_clip_val=1.0); {kept}"
         )
 
     def _handler(self, signum: int, frame: Any) -> None:
@@ -289,6 +289,23 @@ class RunChecks(L.Callback):
                 f"{trainer.global_step}: saved {path}; continue with: {continue_command(path)}"
             )
         raise SystemExit(self._exit_code(trainer, 128 + signum))
+
+
+def _lr_key(trainer: L.Trainer) -> str:
+    """Where this run sets its learning rate (the run config RunState keeps): a module of one's own names its own key,
+    not the template's model.optimizer.lr."""
+    from engine.callbacks.run_state import RunState
+
+    config = next((c.config for c in trainer.callbacks if isinstance(c, RunState) and c.config), None)  # type: ignore[attr-defined]
+    stack = [("model", (config or {}).get("model"))]
+    while stack:
+        path, node = stack.pop(0)
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("lr", "learning_rate") and isinstance(value, (int, float)):
+                    return f"{path}.{key}"
+                stack.append((f"{path}.{key}", value))
+    return "the module's learning rate"
 
 
 def _log_the_step_cut_short(trainer: L.Trainer) -> None:
