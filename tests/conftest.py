@@ -96,6 +96,10 @@ LONG_FILES = (
     "test_service_failures_disk.py",
 )
 LONG = (
+    "test_fault_tolerance.py::test_a_run_accumulating_gradients_killed_between_steps_resumes_bit_for_bit",
+    "test_fault_tolerance.py::test_resuming_mid_epoch_with_another_batch_size_is_one_line",
+    "test_fault_tolerance.py::test_a_loader_that_cannot_resume_mid_epoch_says_so_and_another_sampler_is_one_line",
+    "test_fault_tolerance.py::test_a_resume_with_persistent_loader_workers_says_their_draws_start_over",
     "test_signals.py::test_a_second_sigterm_ends_ranks_that_wait_on_each_other_at_once",
     "test_example_table.py::test_ddp_scores_each_test_row_once_as_one_device_does",
     "test_eval_shards.py::test_fsdp_predicts_every_input_once_in_as_many_batches_on_each_rank",
