@@ -4,6 +4,7 @@ from omegaconf import OmegaConf
 
 from engine.launch.environment import global_rank
 from engine.runs.dirs import cwd, run_dir
+from engine.runs.guard import sweep_job_dir
 
 
 def rank_log() -> str:
@@ -17,3 +18,6 @@ def register_resolvers() -> None:
     for name, resolver in (("run_dir", run_dir), ("rank_log", rank_log), ("cwd", cwd)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver, use_cache=True)
+    # not cached: the sweep's resolver cache is copied into every job, and each job claims its own directory
+    if not OmegaConf.has_resolver("sweep_job_dir"):
+        OmegaConf.register_new_resolver("sweep_job_dir", sweep_job_dir, use_cache=False)

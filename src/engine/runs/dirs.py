@@ -79,6 +79,10 @@ def holds_checkpoints(run_dir: Path) -> bool:
 
 CLAIM = ".project_run"  # the launch a run dir belongs to, made whole or not at all: of two launches, one gets it
 
+# The run dirs this process claimed, with the owner it wrote: a failed start removes a dir only while its claim is this
+# process's (another run that claimed a dir this process made keeps it).
+CLAIMED: dict[str, str] = {}
+
 
 def launch_identity() -> str | None:
     """What every process of one launch shares and another launch does not: torchrun's run id, the SLURM job and
@@ -87,6 +91,11 @@ def launch_identity() -> str | None:
     if name is None and environment.shares_a_named_dir():
         name = f"nodes_{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '')}"
     return name
+
+
+def own_identity() -> str:
+    """A name no other process (of this machine or another) has: for a run or sweep that is its own launch."""
+    return f"{os.uname().nodename}:{os.getpid()}:{datetime.now().isoformat()}"
 
 
 def continuing(run_dir: Path) -> bool:
@@ -103,44 +112,151 @@ def continuing(run_dir: Path) -> bool:
         return False
 
 
-def claim(run_dir: Path, key: str, launch: str | None = None) -> None:
-    """This run's directory, atomically: of two launches named into one directory exactly one gets it, and its
-    processes join. The claim file appears whole (a hard link of a written file), never half-made."""
-    owner = launch or f"{os.uname().nodename}:{os.getpid()}:{datetime.now().isoformat()}"
+def _take(run_dir: Path, owner: str) -> str | None:
+    """Make `run_dir`'s claim file name `owner`, unless there is one: None when this call made it, else the owner the
+    existing one names. The claim file appears whole (a hard link of a written file), never half-made. OSError if the
+    directory cannot be written."""
     partial = run_dir / f"{CLAIM}.{os.uname().nodename}.{os.getpid()}"
     try:
         partial.write_text(owner)
         try:
             os.link(partial, run_dir / CLAIM)
-            return
+            return None
         except FileExistsError:
             pass
         except OSError:  # a file system without hard links: made empty-then-written, still exclusive
             try:
                 with open(run_dir / CLAIM, "x") as f:
                     f.write(owner)
-                return
+                return None
             except FileExistsError:
                 pass
-        other = (run_dir / CLAIM).read_text(errors="replace").strip()
-    except OSError as e:
-        raise UserError(f"{key}={run_dir}: cannot be claimed ({e.strerror}); choose a writable directory") from e
+        return (run_dir / CLAIM).read_text(errors="replace").strip()
     finally:
         with contextlib.suppress(OSError):
             partial.unlink()
-    if launch is not None and other == launch:
-        return  # another process of this launch claimed it first
+
+
+def _claimed(run_dir: Path, owner: str) -> None:
+    CLAIMED[str(run_dir.resolve())] = owner
+
+
+def _disowned(run_dir: Path) -> None:
+    """`run_dir` is another run's: this process removes nothing of it, even if it made the folder itself."""
+    CREATED.discard(str(run_dir.resolve()))
+    CLAIMED.pop(str(run_dir.resolve()), None)
+
+
+def _release(run_dir: Path, owner: str) -> None:
+    """Give back a claim this process made (a check after it refused the directory)."""
+    with contextlib.suppress(OSError):
+        if (run_dir / CLAIM).read_text(errors="replace").strip() == owner:
+            (run_dir / CLAIM).unlink()
+    _disowned(run_dir)
+
+
+def claim(run_dir: Path, key: str, launch: str | None = None, what: str = "run") -> str:
+    """This run's directory, atomically: of two launches named into one directory exactly one gets it, and its
+    processes join. Returns the owner it was claimed as."""
+    owner = launch or own_identity()
+    try:
+        other = _take(run_dir, owner)
+    except OSError as e:
+        raise UserError(f"{key}={run_dir}: cannot be claimed ({e.strerror}); choose a writable directory") from e
+    if other is None or (launch is not None and other == launch):  # or another process of this launch came first
+        _claimed(run_dir, owner)
+        return owner
+    _disowned(run_dir)
     started = "started at the same time" if launch is None else f"launched as {other or 'another job'}"
     raise UserError(
-        f"{key}={run_dir} is being used by another run {started}; name a new directory, or leave {key} out for a "
+        f"{key}={run_dir} is being used by another {what} {started}; name a new directory, or leave {key} out for a "
         "fresh one"
     )
+
+
+_JOB = " job "  # a sweep job's claim: "<the sweep's owner> job <number>"
+
+
+def _hydras_own(path: Path, job_dir: Path) -> bool:
+    """What Hydra wrote for the job before any callback runs (.hydra/, the job's log), and our claim."""
+    parts = path.relative_to(job_dir).parts
+    return parts[0] == ".hydra" or parts[0].startswith(CLAIM) or (len(parts) == 1 and path.suffix == ".log")
+
+
+def claim_job_dir(job_dir: Path, sweep_dir: Path, sweep: str, num: Any, subdir: str) -> None:
+    """Sweep job `num`'s directory, for it alone: another job of this sweep, another sweep or run that has it (or
+    gets it at the same moment) refuses this job in one line naming the fix. `sweep` is the owner the sweep claimed
+    its directory as; the processes of one job (a launch's ranks, each resolving the job's config) join its claim."""
+    owner = f"{sweep}{_JOB}{num}"
+    named = f"hydra.sweep.subdir={subdir}"
+    apart = "name one that tells the jobs apart, e.g. hydra.sweep.subdir=${hydra.job.num} (the default)"
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        other = _take(job_dir, owner)
+    except OSError as e:
+        raise UserError(f"{named}: job {num}'s directory {job_dir} cannot be claimed ({e.strerror})") from e
+    if other == owner:
+        return  # this job's, claimed already (by another of its processes, or earlier in this one)
+    if other is not None:
+        if other == sweep:
+            raise UserError(f"{named} puts job {num} into the sweep's own directory {job_dir}; {apart}")
+        if other.startswith(sweep + _JOB):
+            first = other[len(sweep + _JOB) :]
+            raise UserError(f"{named} gives jobs {first} and {num} of this sweep one directory, {job_dir}; {apart}")
+        _disowned(job_dir)
+        raise UserError(
+            f"{named}: job {num}'s directory {job_dir} is being used by another run or sweep; name a new "
+            "hydra.sweep.dir, or leave it out for a fresh one"
+        )
+    _claimed(job_dir, owner)
+    found = sorted(p for p in job_dir.rglob("*") if p.is_file() and not _hydras_own(p, job_dir))
+    if found or holds_checkpoints(job_dir):  # a directory outside the sweep's (an absolute or ../ subdir)
+        _release(job_dir, owner)
+        shown = found[0].relative_to(job_dir) if found else "checkpoints"
+        raise UserError(
+            f"{named}: job {num}'s directory {job_dir} already holds an earlier run's files ({shown}, ...); "
+            f"keep the jobs inside hydra.sweep.dir={sweep_dir}, or name a new directory"
+        )
+
+
+def claimed_job(job_dir: Path) -> str | None:
+    """The number of the sweep job whose claim `job_dir` holds; None if no sweep job claimed it. Whoever writes into a
+    job's directory for it (a sweeper recording a job it lost) writes there only for that job."""
+    try:
+        owner = (job_dir / CLAIM).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return owner.rpartition(_JOB)[2] if _JOB in owner else None
+
+
+def claim_sweep_job(hydra: Any) -> None:
+    """In a sweep job (`hydra`: its config's hydra node), claim the job's directory (claim_job_dir) under the owner
+    its sweep claimed the sweep dir as (engine.runs.guard). Nothing to do for a single run, a job's own ranks
+    (hydra.output_subdir=null: they join the job's directory), a restarted job (its own directory), or a sweep the
+    guard did not claim a directory for."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    if environment.restarted() or hydra.mode != RunMode.MULTIRUN or hydra.output_subdir is None:
+        return
+    if OmegaConf.is_missing(hydra.job, "num") or OmegaConf.is_missing(hydra.runtime, "output_dir"):
+        return  # the sweep's own process, before any job
+    sweep_dir = Path(str(hydra.sweep.dir))
+    try:
+        sweep = (sweep_dir / CLAIM).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UserError(f"hydra.sweep.dir={sweep_dir}: its claim cannot be read ({e.strerror})") from e
+    written = OmegaConf.to_container(hydra.sweep, resolve=False)  # the subdir as the user wrote it
+    subdir = written.get("subdir") if isinstance(written, dict) else None
+    claim_job_dir(Path(str(hydra.runtime.output_dir)), sweep_dir, sweep, hydra.job.num, str(subdir))
 
 
 def remove_if_unused(run_dir: Path) -> None:
     """Remove the run dir of a run that failed before doing anything, if this process made it (not a dir the
     user named, not a shared torchrun/srun dir, not a sweep job's dir) and it holds only Hydra's bookkeeping."""
-    if str(run_dir.resolve()) not in CREATED or not run_dir.is_dir():
+    if str(run_dir.resolve()) not in CREATED or not run_dir.is_dir() or not _own_claim(run_dir):
         return
     for path in run_dir.rglob("*"):
         bookkeeping = ".hydra" in path.relative_to(run_dir).parts or path.suffix == ".log" or path.name == CLAIM
@@ -156,6 +272,17 @@ def remove_if_unused(run_dir: Path) -> None:
             parent.rmdir()
         except OSError:
             break
+
+
+def _own_claim(run_dir: Path) -> bool:
+    """`run_dir` holds no claim, or this process's own: a directory another run claimed is never removed here."""
+    try:
+        found = (run_dir / CLAIM).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return CLAIMED.get(str(run_dir.resolve())) == found
 
 
 def _settings_only(path: Path) -> bool:

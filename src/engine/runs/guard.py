@@ -3,6 +3,7 @@ which a check inside the task would be too late for. Hydra turns a callback's ex
 exits here (engine.errors.exit_with).
 """
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,16 @@ from engine.console import full_error
 from engine.errors import UserError, exit_with, user_error_in
 from engine.launch import environment
 from engine.runs.dirs import (
+    CLAIM,
     CREATED,
     claim,
+    claim_sweep_job,
     continuing,
     earlier_files,
     holds_checkpoints,
     launch_identity,
     make_writable,
+    remove_if_unused,
 )
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -54,6 +58,15 @@ def _refuse_checkpoints(run_dir: Path, ckpt_path: Any = None) -> UserError:
     )
 
 
+def _stop_job(error: Exception, hydra: Any) -> None:
+    """A sweep job refused its directory: the sweep stops. A sweep dir this process made that holds nothing but
+    bookkeeping yet (the first job refused) goes, as a refused run's directory does."""
+    if user_error_in(error) is not None:
+        with contextlib.suppress(Exception):
+            remove_if_unused(Path(str(hydra.sweep.dir)))
+    _stop_on(error)
+
+
 def _enclosing_run(path: Path) -> Path | None:
     """The run directory `path` would sit inside, if any: a run's files are its own, not a parent for more."""
     for parent in path.resolve().parents:
@@ -81,7 +94,8 @@ def _directory(config: DictConfig, key: str) -> Path:
 
 
 class RunDirGuard(Callback):
-    """A directory with checkpoints belongs to a training run: only a restart of that job writes there again."""
+    """A directory with checkpoints belongs to a training run: only a restart of that job writes there again. Each run
+    dir, sweep dir and sweep job dir is claimed atomically by one launch, one sweep, one job of that sweep."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Ranks that Lightning or a sweep job started join a directory their parent already checked.
@@ -115,12 +129,39 @@ class RunDirGuard(Callback):
             for job_dir in sorted(sweep_dir.glob("*")):
                 if job_dir.is_dir() and holds_checkpoints(job_dir):
                     raise _refuse_checkpoints(job_dir)
-            found = earlier_files(sweep_dir)
+            launch = launch_identity()  # a sweep that every process of one launch runs (torchrun, srun) shares it
+            # another sweep's claim alone: it started this moment, and claim() says so
+            found = [p for p in earlier_files(sweep_dir) if p != sweep_dir / CLAIM] if launch is None else []
             if found:
                 raise UserError(
                     f"hydra.sweep.dir={sweep_dir} already holds an earlier sweep's files "
                     f"({found[0].relative_to(sweep_dir)}, ...); name a new directory, or leave hydra.sweep.dir out "
                     "for a fresh one"
                 )
+            claim(sweep_dir, "hydra.sweep.dir", launch, what="sweep")  # its jobs claim theirs under it
         except Exception as e:
             _stop_on(e)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep job's directory is its own: two jobs whose hydra.sweep.subdir names one directory, or a job of
+        another sweep there, would overwrite each other's checkpoints and results. The first job to claim it keeps
+        it; the other stops the sweep in one line before the engine writes there. Hydra has saved the job's .hydra/
+        and opened its log before any callback runs: sweep_job_dir claims it before that, where the job log's name
+        is resolved."""
+        try:
+            claim_sweep_job(config.hydra)
+        except Exception as e:
+            _stop_job(e, config.hydra)
+
+
+def sweep_job_dir(path: str) -> str:
+    """Resolver `${sweep_job_dir:${hydra.runtime.output_dir}}`: `path`, a sweep job's directory, claimed for this job
+    (engine.runs.dirs.claim_sweep_job) when Hydra resolves the job log's name, the first thing Hydra does in the
+    directory, before it opens the log and saves .hydra/. A refusal exits here: OmegaConf would wrap an exception,
+    and a launcher's worker would lose what it says."""
+    if HydraConfig.initialized():
+        try:
+            claim_sweep_job(HydraConfig.get())
+        except Exception as e:
+            _stop_job(e, HydraConfig.get())
+    return path
