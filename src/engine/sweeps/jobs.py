@@ -3,7 +3,9 @@ launcher re-runs the original argv, which in a sweep is the whole sweep, and the
 process group into the next job (Lightning #11300, hydra #2070).
 """
 
+import math
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -76,13 +78,54 @@ def job_command() -> list[str]:
 
 
 def objective(metrics: dict[str, float], name: str | None) -> float | None:
-    """The number handed to the sweeper. In a sweep a metric that was never logged is an error, not None:
-    an optimizing sweeper would otherwise compare nothing."""
+    """The number handed to the sweeper. In a sweep a metric that was never logged, or is NaN or infinite, is an
+    error, not None or NaN: an optimizing sweeper would otherwise compare nothing (a NaN row ranked as "ok")."""
     if not name:
         return None
-    if name not in metrics and is_multirun():
-        raise UserError(f"optimized_metric={name} was not logged; logged: {', '.join(sorted(metrics)) or 'nothing'}")
-    return metrics.get(name)
+    value = metrics.get(name)
+    if not is_multirun():
+        return value
+    if value is None:
+        raise UserError(_missing(metrics, name))
+    if not math.isfinite(value):
+        raise UserError(
+            f"optimized_metric={name} is {value}, not a number a sweep can rank: the run diverged or the metric is "
+            "broken; this job counts as failed (a lower learning rate, or gradient clipping, may keep it finite)"
+        )
+    return value
+
+
+def _missing(metrics: dict[str, float], name: str) -> str:
+    """Why `name` has no value: the metric it is the best of was logged only as NaN/inf, or never logged."""
+    base = name.removeprefix("best/").removesuffix("_best")
+    if base != name and base in metrics and not math.isfinite(metrics[base]):
+        return (
+            f"optimized_metric={name} has no value: {base} was logged, but never as a finite number (last: "
+            f"{metrics[base]}), so it has no best; the run diverged or the metric is broken, and this job counts as "
+            "failed"
+        )
+    return f"optimized_metric={name} was not logged; logged: {', '.join(sorted(metrics)) or 'nothing'}"
+
+
+def _written_metrics(run_dir: Path) -> dict[str, float]:
+    """A run's metrics files as read_metrics reads them, but a metric written as null (non-finite) kept as NaN."""
+    import json
+
+    metrics: dict[str, float] = {}
+    for name in ("fit_metrics.json", "test_metrics.json"):
+        try:
+            found = json.loads((run_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict):
+            metrics.update(
+                {k: math.nan if v is None else float(v) for k, v in found.items() if v is None or _is_number(v)}
+            )
+    return metrics
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
@@ -96,12 +139,40 @@ def run_job_in_fresh_process(optimized_metric: str | None) -> float | None:
     run_dir = Path(hc.runtime.output_dir)
     # The job seeds itself from its own config: an earlier job's seed must not reach it through the environment.
     env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    logs_before = _log_sizes(run_dir)
     proc = subprocess.run(job_command(), cwd=hc.runtime.cwd, env=env)
     if proc.returncode != 0:
-        raise UserError(f"its processes exited with code {proc.returncode}; their error is printed above")
-    from engine.runs.results import read_metrics
+        raise UserError(
+            f"its processes exited with code {proc.returncode}: {_ranks_error(run_dir, hc.job.name, logs_before)}"
+        )
+    return objective(_written_metrics(run_dir), optimized_metric)
 
-    return objective(read_metrics(run_dir), optimized_metric)
+
+_ERROR_LINE = re.compile(r"\]\[ERROR\] - (?:error: )?(.+)$")
+
+
+def _log_sizes(run_dir: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in run_dir.glob("*.log")}
+
+
+def _ranks_error(run_dir: Path, job_name: str, before: dict[Path, int]) -> str:
+    """The first error line the job's ranks logged (rank 0's log first, whose line names the rank that failed),
+    read from what they added to <job>/*.log: their stderr went to the console only, so error.txt and the summary
+    would otherwise hold no reason."""
+    main = run_dir / f"{job_name}.log"
+    for path in sorted(run_dir.glob("*.log"), key=lambda p: (p != main, p.name)):
+        try:
+            with path.open("rb") as log:
+                log.seek(before.get(path, 0))
+                added = log.read().decode(errors="replace")
+        except OSError:
+            continue
+        for line in added.splitlines():
+            found = _ERROR_LINE.search(line)
+            if found:
+                return found.group(1) + ("" if path == main else f" (in {path})")
+    logs = ", ".join(str(p) for p in sorted(run_dir.glob("*.log"))) or "none written"
+    return f"no error line in the ranks' logs ({logs}); the console output above says why"
 
 
 ERROR_FILE = "error.txt"

@@ -19,7 +19,7 @@ from engine.errors import UserError, disk_error_in
 from engine.loggers import tracking
 from engine.sweeps import objective
 
-from . import in_flight, outcome, space, study
+from . import in_flight, keys, outcome, space, study
 from .config import STORAGE_ENV, STUDY_ENV, STUDY_FILE, TRIAL_ID_ENV, TRIAL_NUMBER_ENV
 from .errors import SweeperConfigError
 
@@ -65,6 +65,12 @@ class ProjectOptunaSweeper(Sweeper):
         )
         self._check_direction(config)
         self._check_pruning_reaches_the_study()
+        if self.n_jobs > 1 and in_flight.in_this_process(self._launcher):
+            raise SweeperConfigError(  # it ran them one after the other, silently
+                f"hydra.sweeper.n_jobs={self.n_jobs}: the basic launcher runs one trial at a time; to run "
+                f"{self.n_jobs} at once use hydra/launcher=parallel hydra.launcher.n_jobs={self.n_jobs}, or set "
+                "hydra.sweeper.n_jobs=1"
+            )
         workers = OmegaConf.select(config, "hydra.launcher.n_jobs")
         if in_flight.concurrent(self._launcher) and isinstance(workers, int) and 0 < workers < self.n_jobs:
             raise SweeperConfigError(  # the extra trials would wait in the launcher's queue, counted as running
@@ -103,6 +109,30 @@ class ProjectOptunaSweeper(Sweeper):
             "set hydra.sweeper.storage=sqlite:///<path>.db (or hydra.sweeper.pruner=null)"
         )
 
+    def _check_keys(self, parsed: list[Any], n_params: int, search: dict[str, Any], fixed: list[str]) -> None:
+        """Every searched key against the trials' composed config, before the sweep dir or the study exists
+        (keys.py): a key it lacks, or floats for an int, failed each trial on its own, after the study was made."""
+        searched, origin = {}, {}
+        for i, override in enumerate(parsed):  # the override that won each searched key (split's order)
+            key = override.get_key_element()
+            if key in search and override.is_sweep_override():
+                searched[key], origin[key] = override, i < n_params
+        choice = OmegaConf.select(self._config, "hydra.runtime.choices.hparams_search", default=None)
+        params = f"hparams_search={choice}" if choice else "the sweeper's config"
+
+        def where(key: str) -> str:
+            return f" (hydra.sweeper.params of {params})" if origin.get(key) else ""
+
+        loader = self._context.config_loader
+        keys.check(
+            searched,
+            search,
+            fixed,
+            where,
+            lambda group: loader.get_group_options(group),
+            lambda overrides: self._config if not overrides else loader.load_sweep_config(self._config, overrides),
+        )
+
     def _name(self, search: dict[str, Any], fixed: list[str]) -> str:
         """The configured study name, or one derived from the search (named after the hparams_search option)."""
         if self.study_name:
@@ -121,7 +151,10 @@ class ProjectOptunaSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> None:
         parser = OverridesParser.create(config_loader=self._context.config_loader)
-        search, fixed = space.split(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
+        from_params = [f"{k}={v}" for k, v in self.params.items()]
+        parsed = parser.parse_overrides(from_params + arguments)
+        search, fixed = space.split(parsed)
+        self._check_keys(parsed, len(from_params), search, fixed)
         name = self._name(search, fixed)
         the_study = self._start(name)
         try:

@@ -23,11 +23,12 @@ _JOB_LOG_FORMAT = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(
 
 
 def _number(value: Any) -> Optional[float]:
+    """A finite number, else None: a NaN or infinite objective is a failed trial, never a value to compare."""
     try:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return None if math.isnan(number) else number
+    return number if math.isfinite(number) else None
 
 
 def _fail(job_dir: Optional[Path], trial_number: int, line: str, details: str = "") -> str:
@@ -69,7 +70,7 @@ def record(study: Any, trial: Any, ret: JobReturn, job_dir: Optional[Path]) -> s
         line = f"{type(error).__name__}: {' '.join(str(error).split())}"
         details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     else:
-        line = f"returned {ret.return_value!r}, not a number (is optimized_metric set and logged?)"
+        line = f"returned {ret.return_value!r}, not a finite number (is optimized_metric set, logged and finite?)"
         details = ""
     trial.set_user_attr(ERROR_ATTR, _fail(job_dir, trial.number, line, details))
     tell(study, trial, state=TrialState.FAIL)
