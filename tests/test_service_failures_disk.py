@@ -86,7 +86,8 @@ def test_a_full_disk_under_a_study_refuses_the_sweep_and_leaves_nothing(tmp_path
     proc = in_a_namespace(tmp_path, script, SEARCH, cli_env(**TINY))
     lines = said(proc)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"error: hydra.sweeper.storage=sqlite:///{tmp_path}/logs/optuna.db: ")
+    # the sweep's directory is claimed first (engine.runs.dirs), on the same full disk
+    assert lines[0].startswith(f"error: hydra.sweep.dir={tmp_path}/logs/train/multiruns/"), lines[0]
     assert "No space left on device" in lines[0] and "make room there" in lines[0], lines[0]
     assert (tmp_path / "left.txt").read_text().split() == ["logs/filler"]
 

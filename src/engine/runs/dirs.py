@@ -4,6 +4,7 @@ Imports no torch: Hydra resolves these names before any task code runs.
 """
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -162,7 +163,8 @@ def claim(run_dir: Path, key: str, launch: str | None = None, what: str = "run")
     try:
         other = _take(run_dir, owner)
     except OSError as e:
-        raise UserError(f"{key}={run_dir}: cannot be claimed ({e.strerror}); choose a writable directory") from e
+        fix = "make room there, or choose another directory" if e.errno == errno.ENOSPC else "choose a writable one"
+        raise UserError(f"{key}={run_dir}: cannot be claimed ({e.strerror}); {fix}") from e
     if other is None or (launch is not None and other == launch):  # or another process of this launch came first
         _claimed(run_dir, owner)
         return owner

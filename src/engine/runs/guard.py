@@ -93,6 +93,18 @@ def _directory(config: DictConfig, key: str) -> Path:
     return path
 
 
+def _remove_made_and_empty(folder: Path) -> None:
+    """A refused sweep's directory and the folders above it that this process made, while they are empty (a claim
+    that failed on a full disk left them)."""
+    for path in (folder, *folder.parents):
+        if str(path.resolve()) not in CREATED:
+            return
+        try:
+            path.rmdir()
+        except OSError:  # not empty, or not there
+            return
+
+
 class RunDirGuard(Callback):
     """A directory with checkpoints belongs to a training run: only a restart of that job writes there again. Each run
     dir, sweep dir and sweep job dir is claimed atomically by one launch, one sweep, one job of that sweep."""
@@ -140,6 +152,8 @@ class RunDirGuard(Callback):
                 )
             claim(sweep_dir, "hydra.sweep.dir", launch, what="sweep")  # its jobs claim theirs under it
         except Exception as e:
+            if user_error_in(e) is not None:
+                _remove_made_and_empty(Path(str(config.hydra.sweep.dir)))
             _stop_on(e)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
