@@ -20,8 +20,13 @@ class FailsAtStep(Regressor):
 
     def training_step(self, batch, batch_idx):
         if self.global_step == self.at:
-            raise RuntimeError("shape '[4, 3]' is invalid for input of size 10")
+            torch.zeros(10).view(4, 3)  # shape '[4, 3]' is invalid for input of size 10
         return super().training_step(batch, batch_idx)
+
+
+class RaisesItsOwn(Regressor):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("broke on purpose")
 
 
 def fit(model: L.LightningModule, features: int) -> BaseException:
@@ -53,6 +58,8 @@ class RefusesItsOptimizer(Regressor):
 
 
 def test_an_error_outside_a_modules_step_or_of_another_kind_is_not_a_misfit():
+    # raised by the module's own code, not torch's refusal of a size: it said the model did not take the data
+    assert misfit_in(fit(RaisesItsOwn(), features=10), {}) is None
     assert misfit_in(fit(RefusesItsOptimizer(), features=10), {}) is None  # not on a batch: not the data's doing
     try:
         torch.zeros(2, 3) @ torch.zeros(4, 5)

@@ -131,5 +131,5 @@ def test_a_ddp_job_that_fails_on_rank_1_says_why_in_error_txt(cli, tmp_path):
     root, _, lines = _rows(tmp_path)
     said = (root / "0" / "error.txt").read_text().splitlines()[0]
     assert said.startswith("its processes exited with code 1: rank 1 (pid ")
-    assert "RuntimeError: rank one broke on purpose" in said and "train_ddp_process_1.log" in said
+    assert "rank one broke on purpose" in said and "train_ddp_process_1.log" in said
     assert said in lines[1]

@@ -371,6 +371,9 @@ def run(task: str, cfg: DictConfig) -> Any:
             if disk is not None:
                 exit_with(disk)  # what was written before stays
             if not _config_error(e):
+                if environment.watched_rank():  # its console is rank 0's: the traceback goes into its own log too,
+                    # where rank 0's watcher reads the error's line (engine.launch.ranks)
+                    log.error("error: %s", _error_line(e), exc_info=True)
                 raise  # a bug: its traceback is the useful report
             remove_if_unused(Path(hc.runtime.output_dir))
             exit_with(e if isinstance(e, UserError) else UserError(_error_line(e)))

@@ -71,7 +71,7 @@ def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
     import lightning.pytorch as L
     import torch
 
-    if not isinstance(error, _MISFITS) or isinstance(error, torch.OutOfMemoryError):
+    if not isinstance(error, _MISFITS) or isinstance(error, torch.OutOfMemoryError) or _raised_by_a_statement(error):
         return None
     steps = [f for f in _frames(error) if isinstance(f.f_locals.get("self"), L.LightningModule)]
     if not steps:
@@ -94,6 +94,19 @@ def misfit_in(error: BaseException, model_config: Any) -> UserError | None:
         f"model: {type(module).__name__} does not take the data{shapes}: {type(error).__name__}: {said}; make the "
         f"model's sizes in its config fit the data's{hint}"
     )
+
+
+def _raised_by_a_statement(error: BaseException) -> bool:
+    """A `raise` of the user's own code, not torch's refusal of a size: the user's error, with its traceback (a model
+    that raises on one rank said it did not take the data)."""
+    import linecache
+
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_globals.get("__name__", "").startswith(("torch", "lightning")):
+        return False
+    return linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).lstrip().startswith("raise ")
 
 
 def _plain(config: Any) -> Any:

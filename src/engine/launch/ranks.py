@@ -56,9 +56,9 @@ def _last_error(log: Path, since: int) -> str | None:
     """The line a rank said as it ended (`... [ERROR] - error: <line>`, engine.errors.say), from what its log got
     after byte `since` (what an earlier run in the same directory wrote there is not this rank's)."""
     try:
-        with log.open("rb") as f:
-            f.seek(since)
-            lines = f.read().decode(errors="replace").splitlines()[-50:]
+        with log.open("rb") as f:  # the line may have a long traceback after it: the last MiB, not the last lines
+            f.seek(max(since, log.stat().st_size - 2**20))
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
     said = [line.split("[ERROR] - error: ", 1)[1] for line in lines if "[ERROR] - error: " in line]
