@@ -142,7 +142,8 @@ def test_a_killed_worker_fails_its_trials_and_ctrl_c_leaves_the_search_to_resume
     command = [
         sys.executable, str(REPO / "train.py"), "-m", "hparams_search=digits_optuna", "hydra/launcher=parallel",
         "hydra.sweeper.n_trials=8", "trainer.limit_train_batches=200", "~model.net",
-        "+model.net._target_=user_models.TutorialCNN",
+        "+model.net._target_=user_models.TutorialCNN",  # no `hidden`: its space is the learning rate alone
+        "hydra.sweeper.params=null", "model.optimizer.lr=tag(log, interval(1e-4, 1e-2))",
     ]  # fmt: skip
     sweep = subprocess.Popen(
         command, cwd=tmp_path, env=cli_env(PROJECT_PROFILE="tiny"), stderr=subprocess.PIPE, text=True,

@@ -296,7 +296,8 @@ def _lr_key(trainer: L.Trainer) -> str:
     not the template's model.optimizer.lr."""
     from engine.callbacks.run_state import RunState
 
-    config = next((c.config for c in trainer.callbacks if isinstance(c, RunState) and c.config), None)  # type: ignore[attr-defined]
+    callbacks = getattr(trainer, "callbacks", [])
+    config = next((c.config for c in callbacks if isinstance(c, RunState) and c.config), None)
     stack = [("model", (config or {}).get("model"))]
     while stack:
         path, node = stack.pop(0)
