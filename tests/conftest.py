@@ -96,6 +96,11 @@ LONG_FILES = (
     "test_service_failures_disk.py",
 )
 LONG = (
+    "test_fault_tolerance.py::test_a_resumed_run_keeps_the_unbroken_runs_best_checkpoint_and_tests_it",
+    "test_fault_tolerance.py::test_a_plateau_scheduler_resumes_with_the_unbroken_runs_learning_rate",
+    "test_sweep_metric.py::test_a_config_file_that_changes_the_metric_starts_another_study",
+    "test_sweep_leftovers.py::test_a_nan_objective_is_a_failed_job_and_a_failed_trial",
+    "test_sweep_dirs.py::test_two_sweeps_started_at_once_into_one_sweep_dir_one_is_refused",
     "test_fault_tolerance.py::test_a_run_accumulating_gradients_killed_between_steps_resumes_bit_for_bit",
     "test_fault_tolerance.py::test_resuming_mid_epoch_with_another_batch_size_is_one_line",
     "test_fault_tolerance.py::test_a_loader_that_cannot_resume_mid_epoch_says_so_and_another_sampler_is_one_line",
